@@ -9,7 +9,7 @@ VPY       := $(VENV)/bin/python
 PIP       := $(VPY) -m pip
 CACHE     ?= $(or $(RIDGEFILL_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ridgefill-cpp)
 LCP_VER   := 0.3.36
-LCP_WHEEL := $(CACHE)/wheels/llama_cpp_python-$(LCP_VER)-py3-none-any.whl
+LCP_WHEELS := $(CACHE)/wheels/llama-cpp-python-$(LCP_VER)-pylayer
 PYTEST_ARGS ?=
 
 # ccache: hits across clones in different folders
@@ -31,13 +31,14 @@ $(VENV)/.venv-ok:
 # llama-cpp-python's Python layer only (LLAMA_BUILD=OFF: it compiles nothing); the wheel is cached
 llama-cpp-python: venv
 	$(VPY) tools/fetch_llama_cpp.py >/dev/null
-	@if [ ! -f "$(LCP_WHEEL)" ]; then \
+	@if ! ls "$(LCP_WHEELS)"/llama_cpp_python-*.whl >/dev/null 2>&1; then \
 	  echo "building the llama-cpp-python $(LCP_VER) Python layer (no native code)"; \
-	  mkdir -p "$(CACHE)/wheels" && \
-	  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) wheel -q --no-deps -w "$(CACHE)/wheels" \
-	    "$(CACHE)/dl/llama_cpp_python-$(LCP_VER).tar.gz"; \
+	  rm -rf "$(LCP_WHEELS).tmp" && \
+	  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) wheel -q --no-deps -w "$(LCP_WHEELS).tmp" \
+	    "$(CACHE)/dl/llama_cpp_python-$(LCP_VER).tar.gz" && \
+	  rm -rf "$(LCP_WHEELS)" && mv "$(LCP_WHEELS).tmp" "$(LCP_WHEELS)"; \
 	fi
-	$(PIP) install -q "$(LCP_WHEEL)"
+	$(PIP) install -q "$(LCP_WHEELS)"/llama_cpp_python-*.whl
 
 # the patched llama.cpp + csrc/ + the ridgefill_cpp package (and its Python dependencies)
 native: llama-cpp-python

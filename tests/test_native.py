@@ -1,0 +1,56 @@
+"""The native build: patched libraries loaded by llama-cpp-python, build info, llama-server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import fetch_llama_cpp
+
+import ridgefill_cpp
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_build_info_reports_the_pinned_tree_and_patch_set():
+    info = ridgefill_cpp.build_info()
+    pin = json.loads((REPO / "llama_cpp_pin.json").read_text())
+    assert info["llama_cpp_commit"] == pin["llama_cpp_commit"]
+    assert info["llama_cpp_python"] == pin["version"]
+    assert info["patchset"] == fetch_llama_cpp.patchset_hash(fetch_llama_cpp.patch_files())
+    assert info["ridgefill_version"] == ridgefill_cpp.__version__
+    assert "CPU" in info["backends"]
+
+
+def test_llama_cpp_loads_the_patched_libraries():
+    import llama_cpp
+    import llama_cpp._ggml
+    from llama_cpp import llama_cpp as C
+
+    lib_dir = Path(ridgefill_cpp.LIB_DIR)
+    assert Path(C._lib._name).resolve().parent == lib_dir
+    assert Path(llama_cpp._ggml.libggml._name).resolve().parent == lib_dir
+    # one libggml in the process: the one next to libllama
+    maps = Path("/proc/self/maps").read_text()
+    ggml_paths = {line.split()[-1] for line in maps.splitlines() if "libggml.so" in line}
+    assert ggml_paths == {str(lib_dir / "libggml.so")}
+    # the RidgeFill entry point is exported from libllama itself
+    assert hasattr(C._lib, "llama_ridgefill_build_info")
+
+
+def test_llama_server_binary_runs():
+    info = ridgefill_cpp.build_info()
+    assert info["llama_server"], "llama-server was not installed with the package"
+    proc = subprocess.run([info["llama_server"], "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert info["llama_cpp_commit"] in proc.stdout + proc.stderr
+
+
+def test_cli_version_shows_the_patched_build(cli):
+    res = cli("--version")
+    assert res.exit_code == 0, res.output
+    info = ridgefill_cpp.build_info()
+    assert ridgefill_cpp.__version__ in res.output
+    assert info["llama_cpp_commit"] in res.output
+    assert info["patchset"] in res.output
