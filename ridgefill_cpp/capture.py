@@ -24,6 +24,7 @@ class CaptureResult:
     layers: list[int]
     layer_inputs: np.ndarray  # [len(layers), n_tokens, n_embd] float32
     logits: np.ndarray  # [n_vocab] float32, the last row
+    all_logits: np.ndarray | None = None  # [n_tokens, n_vocab] when asked for
 
 
 def open_model(model_path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_ubatch: int | None = None,
@@ -58,11 +59,13 @@ def capture_layer_inputs(
     kv_f32: bool = True,
     flash_attn: bool = True,
     n_threads: int | None = None,
+    all_logits: bool = False,
 ) -> CaptureResult:
     """Run ``tokens`` through llama.cpp and return the inputs of ``layers`` (default: all) for every row.
 
     The prompt is decoded in calls of ``chunk`` rows (default: one call), each split into ubatches
     of ``n_ubatch`` rows, so callers can check that chunking does not change the result.
+    ``all_logits`` also returns the logits of every row.
     """
     tokens = [int(t) for t in tokens]
     if not tokens:
@@ -72,7 +75,7 @@ def capture_layer_inputs(
     if len(tokens) > n_ctx:
         raise ValueError(f"capture_layer_inputs: {len(tokens)} tokens do not fit the context ({n_ctx})")
     llm = open_model(model_path, n_ctx=n_ctx, n_batch=chunk, n_ubatch=min(n_ubatch or chunk, chunk),
-                     kv_f32=kv_f32, flash_attn=flash_attn, n_threads=n_threads)
+                     kv_f32=kv_f32, flash_attn=flash_attn, n_threads=n_threads, logits_all=all_logits)
     try:
         from llama_cpp import llama_cpp as C
 
@@ -97,6 +100,7 @@ def capture_layer_inputs(
         logits_ptr = C.llama_get_logits_ith(ctx, -1)
         n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(llm._model.model))
         logits = np.ctypeslib.as_array(logits_ptr, shape=(n_vocab,)).copy()
-        return CaptureResult(layers=layers, layer_inputs=out, logits=logits)
+        every = np.array(llm.scores[: len(tokens)], dtype=np.float32) if all_logits else None
+        return CaptureResult(layers=layers, layer_inputs=out, logits=logits, all_logits=every)
     finally:
         llm.close()

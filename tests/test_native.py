@@ -54,3 +54,23 @@ def test_cli_version_shows_the_patched_build(cli):
     assert ridgefill_cpp.__version__ in res.output
     assert info["llama_cpp_commit"] in res.output
     assert info["patchset"] in res.output
+
+
+def test_capture_hooks_do_not_change_the_numerics(smollm2_path):
+    """Stock call path (llama-cpp-python's Llama.eval) and the capture path give bit-identical logits."""
+    import numpy as np
+
+    from llama_cpp import llama_cpp as C
+
+    from ridgefill_cpp.capture import capture_layer_inputs, open_model
+
+    llm = open_model(smollm2_path, n_ctx=256, n_batch=256)
+    try:
+        tokens = llm.tokenize(b"It was the best of times, it was the worst of times, it was the age of wisdom")
+        llm.eval(tokens)
+        n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(llm._model.model))
+        stock = np.ctypeslib.as_array(C.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).copy()
+    finally:
+        llm.close()
+    cap = capture_layer_inputs(smollm2_path, tokens, layers=[0, 7, 29], n_ctx=256)
+    assert np.array_equal(cap.logits, stock)
