@@ -1,0 +1,378 @@
+"""Generate tiny random-weight GGUF models of every supported architecture, for tests.
+
+The models are small enough to build in well under a second and run in milliseconds, yet they
+reach every code path the real models do: grouped-query attention, optional Q/K/V biases, tied
+and untied output embeddings, QK-norm (qwen3, gemma3), sandwich norms, embedding scaling,
+sliding-window layers with their own RoPE base and final-logit softcapping (gemma3), and the
+Gated DeltaNet hybrid (qwen35, built by ``tiny_qwen35.py`` on top of the helpers here).
+
+Weights are drawn from a seeded ``numpy.random.Generator``: the same (arch, seed, overrides)
+always gives byte-identical files. Matrices are ``normal(0, 1/sqrt(fan_in))`` so activations stay
+O(1) and logits are not degenerate; norm weights are ``1 + small noise``.
+
+Every model carries the same small SentencePiece-style vocabulary (``tokenizer.ggml.model =
+"llama"``) with byte fallback, so llama.cpp tokenizes any UTF-8 text.
+
+Usage as a library (tests)::
+
+    sys.path.insert(0, "<repo>/tools")
+    import make_tiny_models
+    path = make_tiny_models.make_tiny_model("gemma3", tmp_path / "gemma3.gguf", seed=0)
+
+Usage as a script::
+
+    python tools/make_tiny_models.py OUTDIR [--arch llama --arch gemma3] [--seed 0] [--dtype f16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import sys
+import tempfile
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+import gguf
+
+ARCHS = ("llama", "qwen3", "gemma3", "qwen35")
+
+#: architectures whose content this file builds itself (qwen35 lives in tiny_qwen35.py)
+DENSE_ARCHS = ("llama", "qwen3", "gemma3")
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+
+# gguf.TokenType values, spelled out so that the file does not depend on a particular gguf-py
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_BYTE = 6
+
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+_SPACE = "\u2581"  # SentencePiece's word-boundary marker "▁"
+
+_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-:;()\""
+
+_BIGRAMS = (
+    "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le "
+    "ve co me de hi ri ro ic ne ea ra ce li ch ll be ma si om ur"
+).split()
+
+_WORDS = (
+    "the and of to in is that it for was on are with as be this have from or one had by word "
+    "but not what all were we when your can said use an each she do how their if will up out "
+    "many then them so some her make like him into time has two more go see no way my than "
+    "been who now long day did get may part"
+).split()
+
+
+def tokenizer_vocab() -> tuple[list[str], list[float], list[int]]:
+    """The tiny SentencePiece vocabulary: (pieces, scores, token types).
+
+    Layout: ``<unk>``, ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>``..``<0xFF>``, then the
+    normal pieces: single characters, common bigrams, and every prefix of "▁word" for a list of
+    common words (so llama.cpp's bigram merging can reach each whole word). Scores favour longer
+    pieces, as SentencePiece's log-probabilities do for frequent words.
+    """
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256
+    types = [TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_CONTROL] + [TOKEN_TYPE_BYTE] * 256
+
+    normal: list[str] = [_SPACE, *_CHARS, *_BIGRAMS]
+    for word in _WORDS:
+        spaced = _SPACE + word
+        normal.extend(spaced[:n] for n in range(2, len(spaced) + 1))
+    seen: set[str] = set()
+    for rank, piece in enumerate(normal):
+        if piece in seen:
+            continue
+        seen.add(piece)
+        pieces.append(piece)
+        # longer pieces win merges; ties broken by list order (earlier = more frequent)
+        scores.append(-10.0 + len(piece) - rank * 1e-4)
+        types.append(TOKEN_TYPE_NORMAL)
+    return pieces, scores, types
+
+
+# --------------------------------------------------------------------------------------------
+# writer helpers (shared with tiny_qwen35.py: keep these signatures stable)
+
+
+def new_writer(path: os.PathLike[str] | str, arch: str) -> gguf.GGUFWriter:
+    """A GGUFWriter for a tiny model of `arch` with the general.* keys and the tokenizer added.
+
+    `path` is the destination that will be passed to :func:`write_and_close`; nothing is written
+    before that call, and the file's content does not depend on it (the same model is
+    byte-identical wherever it is written). The caller adds the architecture's hyperparameters
+    (``<arch>.*`` keys, e.g. with :func:`add_arch_keys`) and its tensors.
+    """
+    if not str(path):
+        raise ValueError("new_writer: empty destination path")
+    writer = gguf.GGUFWriter(None, arch)  # general.architecture
+    writer.add_string("general.type", "model")
+    writer.add_string("general.name", f"ridgefill tiny {arch}")
+    writer.add_string("general.description", "random weights, for tests only (tools/make_tiny_models.py)")
+
+    pieces, scores, types = tokenizer_vocab()
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_array("tokenizer.ggml.tokens", pieces)
+    writer.add_array("tokenizer.ggml.scores", scores)
+    writer.add_array("tokenizer.ggml.token_type", types)
+    writer.add_uint32("tokenizer.ggml.unknown_token_id", UNK_ID)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", BOS_ID)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", EOS_ID)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_bool("tokenizer.ggml.add_eos_token", False)
+    return writer
+
+
+def write_and_close(writer: gguf.GGUFWriter, path: os.PathLike[str] | str) -> pathlib.Path:
+    """Write header, key/values and tensors of `writer` to `path`, atomically.
+
+    The file is written to a temporary file in the same directory and moved into place with
+    ``os.replace``, so `path` never holds a half-written model. Returns `path` as a Path.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = pathlib.Path(tmp_name)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# dense architectures (llama, qwen3, gemma3)
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Hyperparameters of a tiny dense model. Any field can be overridden by keyword.
+
+    The vocabulary is always the tokenizer's (:func:`tokenizer_vocab`); QK-norm follows the
+    architecture (qwen3 and gemma3 have it, llama does not).
+    """
+
+    n_ctx: int = 2048
+    n_embd: int = 64
+    n_layer: int = 6
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff: int = 128
+    rms_eps: float = 1e-6
+    rope_freq_base: float = 10000.0
+    qkv_bias: bool = False  # blk.N.attn_{q,k,v}.bias
+    tied_embeddings: bool = True  # no output.weight: the output head reuses token_embd
+    # gemma3 only (llama.cpp reads these keys for gemma3 alone)
+    sliding_window: int = 0
+    swa_pattern: int = 0  # every swa_pattern-th layer (the last of each group) is full attention
+    rope_freq_base_swa: float = 10000.0
+    final_logit_softcapping: float = 0.0
+    # storage type of the 2-D matrices ("f32" or "f16"); norms and biases are always F32
+    dtype: str = "f32"
+
+    @property
+    def n_vocab(self) -> int:
+        return len(tokenizer_vocab()[0])
+
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    # SmolLM2 / Llama 3 style, plus Q/K/V biases so that the bias path is exercised
+    "llama": dict(qkv_bias=True, tied_embeddings=True, rms_eps=1e-5),
+    # Qwen3: untied output head
+    "qwen3": dict(tied_embeddings=False, rope_freq_base=1_000_000.0),
+    # Gemma 3: 8 layers, pattern 4 -> layers 3 and 7 are full attention, the rest slide over 16
+    # (prompts of ~100 tokens cross the window), softcapped logits
+    "gemma3": dict(
+        n_layer=8,
+        tied_embeddings=True,
+        sliding_window=16,
+        swa_pattern=4,
+        rope_freq_base=1_000_000.0,
+        rope_freq_base_swa=10000.0,
+        final_logit_softcapping=8.0,
+    ),
+}
+
+
+def tiny_config(arch: str, **overrides: Any) -> TinyConfig:
+    """The default :class:`TinyConfig` of a dense `arch`, with `overrides` applied."""
+    if arch not in _DEFAULTS:
+        raise ValueError(f"no dense tiny config for {arch!r}; dense architectures: {', '.join(DENSE_ARCHS)}")
+    known = {f.name for f in fields(TinyConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"unknown tiny-model option(s) for {arch}: {', '.join(unknown)}")
+    cfg = replace(TinyConfig(**_DEFAULTS[arch]), **overrides)
+    if cfg.dtype not in ("f32", "f16"):
+        raise ValueError(f"dtype must be 'f32' or 'f16', not {cfg.dtype!r}")
+    if cfg.n_head % cfg.n_head_kv:
+        raise ValueError(f"n_head ({cfg.n_head}) must be a multiple of n_head_kv ({cfg.n_head_kv})")
+    if cfg.n_layer < 1 or cfg.head_dim % 2:
+        raise ValueError("n_layer must be positive and head_dim even")
+    if arch != "gemma3" and (cfg.sliding_window or cfg.final_logit_softcapping):
+        raise ValueError(f"sliding_window and final_logit_softcapping are gemma3 options; {arch} ignores them")
+    return cfg
+
+
+def has_qk_norm(arch: str) -> bool:
+    return arch in ("qwen3", "gemma3")
+
+
+def is_swa_layer(cfg: TinyConfig, il: int) -> bool:
+    """Whether layer `il` uses the sliding window (llama.cpp's set_swa_pattern, dense_first=False)."""
+    if cfg.sliding_window <= 0:
+        return False
+    n = cfg.swa_pattern
+    return n == 0 or (il % n) < (n - 1)
+
+
+def add_arch_keys(writer: gguf.GGUFWriter, arch: str, cfg: TinyConfig) -> None:
+    """Add the ``<arch>.*`` hyperparameter keys that llama.cpp's load_hparams reads."""
+    w = writer
+    w.add_uint32(f"{arch}.vocab_size", cfg.n_vocab)
+    w.add_uint32(f"{arch}.context_length", cfg.n_ctx)
+    w.add_uint32(f"{arch}.embedding_length", cfg.n_embd)
+    w.add_uint32(f"{arch}.block_count", cfg.n_layer)
+    w.add_uint32(f"{arch}.feed_forward_length", cfg.n_ff)
+    w.add_uint32(f"{arch}.attention.head_count", cfg.n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.n_head_kv)
+    w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
+    w.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_freq_base)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    if cfg.sliding_window > 0:
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", cfg.swa_pattern)
+        w.add_float32(f"{arch}.rope.freq_base_swa", cfg.rope_freq_base_swa)
+    if cfg.final_logit_softcapping:
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+
+
+class WeightFactory:
+    """Seeded random tensors with the scales the tiny models use."""
+
+    def __init__(self, seed: int, dtype: str = "f32"):
+        self.rng = np.random.default_rng(seed)
+        self.matrix_dtype = np.float16 if dtype == "f16" else np.float32
+
+    def matrix(self, n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        """A [n_out, n_in] projection (numpy layout; ggml sees it as {n_in, n_out})."""
+        w = self.rng.normal(0.0, gain / math.sqrt(n_in), size=(n_out, n_in))
+        return w.astype(self.matrix_dtype)
+
+    def norm(self, n: int, center: float = 1.0, noise: float = 0.1) -> np.ndarray:
+        return (center + noise * self.rng.standard_normal(n)).astype(np.float32)
+
+    def bias(self, n: int, scale: float = 0.1) -> np.ndarray:
+        return (scale * self.rng.standard_normal(n)).astype(np.float32)
+
+
+def _add_dense_tensors(writer: gguf.GGUFWriter, arch: str, cfg: TinyConfig, seed: int) -> None:
+    wf = WeightFactory(seed, cfg.dtype)
+    d, hd = cfg.n_embd, cfg.head_dim
+    n_q, n_kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    gemma = arch == "gemma3"
+
+    # embedding entries O(1); gemma3 multiplies its embedding by sqrt(n_embd) = 8 on input, so its
+    # entries are drawn smaller (a tied output head then gives logits of a few units either way)
+    embd_std = 0.25 if gemma else 0.5
+    writer.add_tensor("token_embd.weight", wf.matrix(cfg.n_vocab, d, gain=embd_std * math.sqrt(d)))
+    writer.add_tensor("output_norm.weight", wf.norm(d))
+    if not cfg.tied_embeddings:
+        writer.add_tensor("output.weight", wf.matrix(cfg.n_vocab, d))
+
+    for il in range(cfg.n_layer):
+        p = f"blk.{il}."
+        writer.add_tensor(p + "attn_norm.weight", wf.norm(d))
+        writer.add_tensor(p + "attn_q.weight", wf.matrix(n_q, d))
+        writer.add_tensor(p + "attn_k.weight", wf.matrix(n_kv, d))
+        writer.add_tensor(p + "attn_v.weight", wf.matrix(n_kv, d))
+        if cfg.qkv_bias:
+            writer.add_tensor(p + "attn_q.bias", wf.bias(n_q))
+            writer.add_tensor(p + "attn_k.bias", wf.bias(n_kv))
+            writer.add_tensor(p + "attn_v.bias", wf.bias(n_kv))
+        if has_qk_norm(arch):
+            writer.add_tensor(p + "attn_q_norm.weight", wf.norm(hd))
+            writer.add_tensor(p + "attn_k_norm.weight", wf.norm(hd))
+        writer.add_tensor(p + "attn_output.weight", wf.matrix(d, n_q))
+        if gemma:
+            writer.add_tensor(p + "post_attention_norm.weight", wf.norm(d))
+        writer.add_tensor(p + "ffn_norm.weight", wf.norm(d))
+        writer.add_tensor(p + "ffn_gate.weight", wf.matrix(cfg.n_ff, d))
+        writer.add_tensor(p + "ffn_up.weight", wf.matrix(cfg.n_ff, d))
+        writer.add_tensor(p + "ffn_down.weight", wf.matrix(d, cfg.n_ff))
+        if gemma:
+            writer.add_tensor(p + "post_ffw_norm.weight", wf.norm(d))
+
+
+def _build_dense(arch: str, path: pathlib.Path, seed: int, **overrides: Any) -> pathlib.Path:
+    cfg = tiny_config(arch, **overrides)
+    writer = new_writer(path, arch)
+    add_arch_keys(writer, arch, cfg)
+    writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
+    _add_dense_tensors(writer, arch, cfg, seed)
+    return write_and_close(writer, path)
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+def make_tiny_model(arch: str, path: os.PathLike[str] | str, seed: int = 0, **overrides: Any) -> pathlib.Path:
+    """Write a tiny random-weight GGUF model of `arch` to `path` and return the path.
+
+    `overrides` change hyperparameters (see :class:`TinyConfig` for the dense architectures,
+    ``tiny_qwen35.build_qwen35`` for qwen35), e.g. ``n_layer=4``, ``dtype="f16"``,
+    ``tied_embeddings=False``.
+    """
+    path = pathlib.Path(path)
+    if arch == "qwen35":
+        here = str(pathlib.Path(__file__).resolve().parent)
+        if here not in sys.path:  # imported as part of a package rather than from tools/
+            sys.path.insert(0, here)
+        from tiny_qwen35 import build_qwen35  # noqa: PLC0415 (only needed for qwen35)
+
+        return pathlib.Path(build_qwen35(path, seed, **overrides))
+    if arch not in DENSE_ARCHS:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHS)}")
+    return _build_dense(arch, path, seed, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", type=pathlib.Path, help="directory to write <arch>.gguf files into")
+    parser.add_argument("--arch", action="append", choices=ARCHS, help="architecture (repeatable; default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="storage type of the matrices")
+    args = parser.parse_args(argv)
+
+    for arch in args.arch or ARCHS:
+        overrides = {"dtype": args.dtype} if args.dtype != "f32" else {}
+        out = make_tiny_model(arch, args.outdir / f"{arch}.gguf", seed=args.seed, **overrides)
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

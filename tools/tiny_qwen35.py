@@ -1,0 +1,222 @@
+"""A tiny random-weight ``qwen35`` GGUF (Qwen3.5 dense: Gated DeltaNet + gated full attention).
+
+The model follows llama.cpp's ``llama_model_qwen35`` (``src/models/qwen35.cpp``) tensor for
+tensor, at toy size:
+
+* 6 layers; ``full_attention_interval = 3`` makes layers 2 and 5 full attention (llama.cpp:
+  layer ``il`` is recurrent when ``(il + 1) % interval != 0``), the others Gated DeltaNet (GDN);
+* full attention: 4 query heads, 2 KV heads, head dim 16; ``attn_q`` projects to Q *and* the
+  output gate, ``2 * head_dim`` rows per head (``[q_h, gate_h]`` interleaved by head); Q/K RMS
+  norms; interleaved M-RoPE (IMROPE) over the first ``n_rot`` dims with ``rope.dimension_sections``;
+* GDN: 2 key heads (``ssm.group_count``), 4 value heads (``ssm.time_step_rank``), head dim 8
+  (``ssm.state_size``; llama.cpp requires key and value head dims equal), conv kernel 4;
+  ``attn_qkv`` (conv input, ``[q | k | v]``), ``attn_gate`` (z), ``ssm_beta``, ``ssm_alpha``,
+  ``ssm_dt.bias``, ``ssm_a`` (= -exp(A_log), stored negated as the converter does),
+  ``ssm_conv1d``, ``ssm_norm``, ``ssm_out``;
+* every layer: ``attn_norm``, ``post_attention_norm`` (the FFN's pre-norm) and a SwiGLU FFN;
+  untied ``output.weight``.
+
+The decay parameters are drawn so that the recurrence neither forgets at once nor never: the
+per-step decay ``exp(softplus(alpha + dt_bias) * ssm_a)`` lies roughly in 0.6..0.999 with a
+spread over heads, so state from tens of tokens back still matters.
+
+The general keys and the tokenizer come from ``make_tiny_models.new_writer``; the file is written
+atomically by ``make_tiny_models.write_and_close``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import sys
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+ARCH = "qwen35"
+
+
+@dataclass(frozen=True)
+class Qwen35TinyConfig:
+    """Hyperparameters of the tiny qwen35 model. Any field can be overridden by keyword."""
+
+    n_vocab: int = 0  # 0: the tokenizer's size
+    n_ctx: int = 2048
+    n_embd: int = 64
+    n_layer: int = 6
+    full_attention_interval: int = 3
+    # explicit per-layer pattern (True = recurrent/GDN); written as attention.recurrent_layers
+    # when given, instead of relying on full_attention_interval
+    recurrent_layers: tuple[bool, ...] | None = None
+    # full attention
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_rot: int = 8  # partial rotary: the first n_rot dims of each head
+    rope_sections: tuple[int, int, int, int] = (2, 1, 1, 0)  # sum = n_rot / 2 as in Qwen3.5
+    rope_freq_base: float = 10000.0
+    # Gated DeltaNet
+    ssm_d_conv: int = 4
+    ssm_head_dim: int = 8  # ssm.state_size: key head dim == value head dim
+    ssm_n_k_heads: int = 2  # ssm.group_count
+    ssm_n_v_heads: int = 4  # ssm.time_step_rank (a multiple of the key heads)
+    ssm_a_range: tuple[float, float] = (0.05, 2.0)  # -ssm_a = exp(A_log), log-uniform in this range
+    ssm_dt_bias_range: tuple[float, float] = (-4.0, -1.0)
+    # FFN, norms
+    n_ff: int = 128
+    rms_eps: float = 1e-6
+    # storage type of the projection matrices ("f32" or "f16"); norms, conv and SSM vectors F32
+    dtype: str = "f32"
+
+    @property
+    def d_inner(self) -> int:
+        return self.ssm_head_dim * self.ssm_n_v_heads
+
+    @property
+    def key_dim(self) -> int:
+        return self.ssm_head_dim * self.ssm_n_k_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.d_inner
+
+    def is_recurrent(self, il: int) -> bool:
+        if self.recurrent_layers is not None:
+            return bool(self.recurrent_layers[il])
+        return (il + 1) % self.full_attention_interval != 0
+
+
+def _mtm():
+    """The sibling ``make_tiny_models`` module (tools/ is put on sys.path if needed)."""
+    here = str(pathlib.Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import make_tiny_models  # noqa: PLC0415
+
+    return make_tiny_models
+
+
+def qwen35_config(**overrides: Any) -> Qwen35TinyConfig:
+    """The default :class:`Qwen35TinyConfig` with `overrides` applied (validated)."""
+    mtm = _mtm()
+
+    known = {f.name for f in fields(Qwen35TinyConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"unknown tiny-model option(s) for qwen35: {', '.join(unknown)}")
+    if "recurrent_layers" in overrides and overrides["recurrent_layers"] is not None:
+        overrides["recurrent_layers"] = tuple(bool(x) for x in overrides["recurrent_layers"])
+    if "rope_sections" in overrides:
+        overrides["rope_sections"] = tuple(int(x) for x in overrides["rope_sections"])
+    cfg = replace(Qwen35TinyConfig(), **overrides)
+    n_tok = len(mtm.tokenizer_vocab()[0])
+    if cfg.n_vocab == 0:
+        cfg = replace(cfg, n_vocab=n_tok)
+    if cfg.n_vocab < n_tok:
+        raise ValueError(f"n_vocab must be at least the tokenizer's {n_tok} tokens")
+    if cfg.dtype not in ("f32", "f16"):
+        raise ValueError(f"dtype must be 'f32' or 'f16', not {cfg.dtype!r}")
+    if cfg.n_head % cfg.n_head_kv:
+        raise ValueError(f"n_head ({cfg.n_head}) must be a multiple of n_head_kv ({cfg.n_head_kv})")
+    if cfg.ssm_n_v_heads % cfg.ssm_n_k_heads:
+        raise ValueError(f"ssm_n_v_heads ({cfg.ssm_n_v_heads}) must be a multiple of ssm_n_k_heads ({cfg.ssm_n_k_heads})")
+    if cfg.n_rot % 2 or not 0 < cfg.n_rot <= cfg.head_dim:
+        raise ValueError(f"n_rot ({cfg.n_rot}) must be even and in (0, head_dim]")
+    if len(cfg.rope_sections) != 4 or sum(cfg.rope_sections) > cfg.head_dim or not any(cfg.rope_sections[:3]):
+        raise ValueError(f"rope_sections {cfg.rope_sections}: 4 entries, sum <= head_dim, one of the first 3 > 0")
+    if cfg.recurrent_layers is not None and len(cfg.recurrent_layers) != cfg.n_layer:
+        raise ValueError(f"recurrent_layers has {len(cfg.recurrent_layers)} entries, expected n_layer ({cfg.n_layer})")
+    if cfg.full_attention_interval < 1:
+        raise ValueError("full_attention_interval must be >= 1")
+    return cfg
+
+
+def add_qwen35_keys(writer, cfg: Qwen35TinyConfig) -> None:
+    """The ``qwen35.*`` hyperparameter keys llama.cpp's loader reads."""
+    a = ARCH
+    w = writer
+    w.add_uint32(f"{a}.vocab_size", cfg.n_vocab)
+    w.add_uint32(f"{a}.context_length", cfg.n_ctx)
+    w.add_uint32(f"{a}.embedding_length", cfg.n_embd)
+    w.add_uint32(f"{a}.block_count", cfg.n_layer)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff)
+    w.add_uint32(f"{a}.attention.head_count", cfg.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.n_rot)
+    w.add_float32(f"{a}.rope.freq_base", cfg.rope_freq_base)
+    w.add_array(f"{a}.rope.dimension_sections", [int(x) for x in cfg.rope_sections])
+    w.add_uint32(f"{a}.ssm.conv_kernel", cfg.ssm_d_conv)
+    w.add_uint32(f"{a}.ssm.state_size", cfg.ssm_head_dim)
+    w.add_uint32(f"{a}.ssm.group_count", cfg.ssm_n_k_heads)
+    w.add_uint32(f"{a}.ssm.time_step_rank", cfg.ssm_n_v_heads)
+    w.add_uint32(f"{a}.ssm.inner_size", cfg.d_inner)
+    w.add_uint32(f"{a}.full_attention_interval", cfg.full_attention_interval)
+    if cfg.recurrent_layers is not None:
+        w.add_array(f"{a}.attention.recurrent_layers", [bool(x) for x in cfg.recurrent_layers])
+
+
+def _add_qwen35_tensors(writer, cfg: Qwen35TinyConfig, seed: int) -> None:
+    wf = _mtm().WeightFactory(seed, cfg.dtype)
+    rng = wf.rng
+    d, hd = cfg.n_embd, cfg.head_dim
+
+    writer.add_tensor("token_embd.weight", wf.matrix(cfg.n_vocab, d, gain=math.sqrt(d)))  # entries ~N(0, 1)
+    writer.add_tensor("output_norm.weight", wf.norm(d))
+    writer.add_tensor("output.weight", wf.matrix(cfg.n_vocab, d))
+
+    for il in range(cfg.n_layer):
+        p = f"blk.{il}."
+        writer.add_tensor(p + "attn_norm.weight", wf.norm(d))
+        writer.add_tensor(p + "post_attention_norm.weight", wf.norm(d))
+        if cfg.is_recurrent(il):
+            H_v, D = cfg.ssm_n_v_heads, cfg.ssm_head_dim
+            writer.add_tensor(p + "attn_qkv.weight", wf.matrix(cfg.conv_dim, d))
+            writer.add_tensor(p + "attn_gate.weight", wf.matrix(cfg.d_inner, d))
+            # depthwise causal conv: [conv_dim, d_conv] (ggml {d_conv, conv_dim})
+            conv = rng.normal(0.0, 1.0 / math.sqrt(cfg.ssm_d_conv), size=(cfg.conv_dim, cfg.ssm_d_conv))
+            writer.add_tensor(p + "ssm_conv1d.weight", conv.astype(np.float32))
+            lo, hi = cfg.ssm_dt_bias_range
+            writer.add_tensor(p + "ssm_dt.bias", rng.uniform(lo, hi, size=H_v).astype(np.float32))
+            alo, ahi = cfg.ssm_a_range
+            a = -np.exp(rng.uniform(math.log(alo), math.log(ahi), size=H_v))
+            writer.add_tensor(p + "ssm_a", a.astype(np.float32))
+            writer.add_tensor(p + "ssm_beta.weight", wf.matrix(H_v, d))
+            writer.add_tensor(p + "ssm_alpha.weight", wf.matrix(H_v, d))
+            writer.add_tensor(p + "ssm_norm.weight", wf.norm(D))
+            writer.add_tensor(p + "ssm_out.weight", wf.matrix(d, cfg.d_inner))
+        else:
+            writer.add_tensor(p + "attn_q.weight", wf.matrix(2 * hd * cfg.n_head, d))  # [q_h | gate_h] per head
+            writer.add_tensor(p + "attn_k.weight", wf.matrix(hd * cfg.n_head_kv, d))
+            writer.add_tensor(p + "attn_v.weight", wf.matrix(hd * cfg.n_head_kv, d))
+            writer.add_tensor(p + "attn_q_norm.weight", wf.norm(hd))
+            writer.add_tensor(p + "attn_k_norm.weight", wf.norm(hd))
+            writer.add_tensor(p + "attn_output.weight", wf.matrix(d, hd * cfg.n_head))
+        writer.add_tensor(p + "ffn_gate.weight", wf.matrix(cfg.n_ff, d))
+        writer.add_tensor(p + "ffn_up.weight", wf.matrix(cfg.n_ff, d))
+        writer.add_tensor(p + "ffn_down.weight", wf.matrix(d, cfg.n_ff))
+
+
+def build_qwen35(path: os.PathLike[str] | str, seed: int = 0, **overrides: Any) -> pathlib.Path:
+    """Write the tiny qwen35 GGUF to `path` (atomically) and return the path.
+
+    `overrides` are :class:`Qwen35TinyConfig` fields, e.g. ``n_layer=4``,
+    ``full_attention_interval=2``, ``rope_sections=(1, 1, 1, 1)``, ``dtype="f16"``.
+    The same (seed, overrides) always gives byte-identical files.
+    """
+    mtm = _mtm()
+    cfg = qwen35_config(**overrides)
+    writer = mtm.new_writer(path, ARCH)
+    add_qwen35_keys(writer, cfg)
+    writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
+    _add_qwen35_tensors(writer, cfg, seed)
+    return mtm.write_and_close(writer, path)
+
+
+if __name__ == "__main__":
+    out = build_qwen35(sys.argv[1] if len(sys.argv) > 1 else "qwen35.gguf")
+    print(out)
