@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -104,13 +105,39 @@ def _ranges(layers) -> str:
 
 @app.command()
 def info(
-    file: Path = typer.Argument(..., help="A model GGUF file."),
+    file: Path = typer.Argument(..., help="A model GGUF, or a RidgeFill map file (*.ridgefill.gguf)."),
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m", help="For a map file: check whether the maps fit this model GGUF, and say why not."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
 ) -> None:
-    """Show what RidgeFill needs to know about a model GGUF: layers, heads, QK-norm, sliding-window
-    layers, context length, the default split S, and whether RidgeFill supports its architecture."""
-    from .gguf_model import GGUFFileError, read_model_info
+    """Show what RidgeFill needs to know about a model GGUF (layers, heads, QK-norm, sliding-window
+    layers, context length, default split S, support), or what a map file holds (split, objective,
+    calibration, per-layer λ and held-out fit quality next to identity fill)."""
+    from .gguf_model import GGUFFileError, read_metadata, read_model_info
+    from .mapfile import MapFileError, compatibility_problems, read_map_file
 
+    try:
+        md = read_metadata(file)
+    except GGUFFileError as e:
+        _fail(str(e))
+    if md.get("general.type") == "adapter":
+        try:
+            maps = read_map_file(file)
+        except MapFileError as e:
+            _fail(str(e))
+        problems = None
+        if model is not None:
+            try:
+                problems = compatibility_problems(maps.meta, model)
+            except GGUFFileError as e:
+                _fail(str(e))
+        _show_map_file(file, maps.meta, problems, model, as_json)
+        if problems:
+            raise typer.Exit(1)
+        return
+    if model is not None:
+        _fail(f"{file} is a model, not a map file: --model applies to map files")
     try:
         mi = read_model_info(file)
     except GGUFFileError as e:
@@ -119,6 +146,130 @@ def info(
         print(json.dumps(mi.as_dict(), indent=2))
     else:
         out.print(_model_table(mi))
+
+
+def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from .mapfile import summary_rows
+
+    if as_json:
+        d = asdict(meta)
+        d["input_norm"] = meta.input_norm
+        if problems is not None:
+            d["fits_model"] = {"model": str(model), "ok": not problems, "problems": problems}
+        print(json.dumps(d, indent=2))
+        return
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    for k, v in [
+        ("file", str(path)),
+        ("maps for", f"{meta.model_name} ({meta.architecture}, {meta.n_layer} layers, n_embd {meta.n_embd})"),
+        ("model fingerprint", meta.fingerprint),
+        ("split S", f"{meta.split_layer}: maps for layers {meta.layers[0]}-{meta.layers[-1]}"),
+        ("objective", f"{meta.objective} (input φ = {meta.input_norm})"),
+        ("calibration", f"{meta.calib_n_tokens} tokens in windows of {meta.calib_ctx} ({meta.calib_n_rows} rows used, "
+                        f"first {meta.calib_skip_rows} of each window skipped); {meta.calib_source}"),
+        ("held-out rows", str(meta.heldout_n_rows)),
+        ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
+    ]:
+        t.add_row(k, v)
+    out.print(t)
+    q = Table(title="held-out fit quality (relative error of the direction the layer sees)")
+    for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
+        q.add_column(col, justify="right")
+    for r in summary_rows(meta):
+        q.add_row(str(r["layer"]), f"{r['lambda']:.3g}", f"{r['r2']:.3f}", f"{r['rel_err']:.3f}", f"{r['identity_rel_err']:.3f}")
+    out.print(q)
+    if problems is not None:
+        if problems:
+            err.print(f"[bold red]the maps do not fit {model}:[/]", highlight=False, soft_wrap=True)
+            for p in problems:
+                err.print(f"  - {p}", highlight=False, soft_wrap=True)
+        else:
+            out.print(f"[green]the maps fit {model}[/] (architecture, dimensions and fingerprint match)", highlight=False)
+
+
+@app.command()
+def fit(
+    model: Path = typer.Argument(..., help="The model GGUF to fit maps for (never modified)."),
+    calibration: Optional[list[Path]] = typer.Argument(
+        None, help="Calibration text: files and/or directories (read recursively). Default: the calibration "
+                   "split of the Python standard library's documentation and sources."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Map file to write (default: <model stem>.ridgefill.gguf next to the model)."),
+    split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S (default L - floor(L/3)); maps are fitted for layers S+1..L-1."),
+    tokens: int = typer.Option(100_000, "--tokens", "-n", min=1, help="Calibration token budget."),
+    ctx: int = typer.Option(512, "--ctx", min=8, help="Rows per calibration window (each a fresh sequence)."),
+    objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
+    dtype: str = typer.Option("f16", "--dtype", help="Storage type of the A matrices: f16 or f32."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads for llama.cpp."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
+) -> None:
+    """Fit one closed-form ridge map per late layer from llama.cpp's own hidden states on calibration
+    text, and write them as a GGUF side file (DESIGN §7)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from . import corpus
+    from .fit import FitError, FitOptions, fit_ridge_maps
+    from .gguf_model import GGUFFileError, read_model_info
+    from .mapfile import write_map_file
+
+    if dtype not in ("f16", "f32"):
+        _fail(f"--dtype must be f16 or f32, not {dtype!r}")
+    if objective not in ("normalized", "raw"):
+        _fail(f"--objective must be normalized or raw, not {objective!r}")
+    try:
+        read_model_info(model)
+    except GGUFFileError as e:
+        _fail(str(e))
+    output = output or model.with_name(model.name.removesuffix(".gguf") + ".ridgefill.gguf")
+    if output.resolve() == model.resolve():
+        _fail("the output path is the model file itself")
+    if output.exists() and not force:
+        _fail(f"{output} exists (use --force to overwrite it)")
+    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
+        _fail(f"cannot write {output}: {output.parent} is not a writable directory")
+    if calibration:
+        try:
+            docs = corpus.read_documents(calibration)
+        except (FileNotFoundError, ValueError) as e:
+            _fail(str(e))
+        source = "user text: " + ", ".join(str(p) for p in calibration)
+    else:
+        docs = corpus.default_documents("calibration")
+        source = corpus.default_source_description("calibration")
+    opts = FitOptions(split=split, objective=objective, n_tokens=tokens, ctx=ctx, n_threads=threads)
+    with Progress(TextColumn("capturing hidden states"), BarColumn(), TaskProgressColumn(),
+                  TextColumn("{task.completed:>8.0f} tokens  {task.fields[rate]}"), TimeRemainingColumn(),
+                  console=err, transient=False) as bar:
+        task = bar.add_task("fit", total=None, rate="")
+        t_start = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            rate = done / max(time.perf_counter() - t_start, 1e-9)
+            bar.update(task, completed=done, total=total, rate=f"{rate:,.0f} tok/s")
+
+        try:
+            res = fit_ridge_maps(model, docs, opts, source=source, progress=progress)
+        except FitError as e:
+            _fail(str(e))
+    write_map_file(output, res.maps, dtype=dtype, overwrite=force)
+    m, tm = res.maps.meta, res.timings
+    q = Table(title=f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality")
+    for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
+        q.add_column(col, justify="right")
+    for il, lam, r2, e, ie in zip(m.layers, m.lambdas, m.r2, m.rel_err_median, m.identity_rel_err_median):
+        q.add_row(str(il), f"{lam:.3g}", f"{r2:.3f}", f"{e:.3f}", f"{ie:.3f}")
+    out.print(q)
+    out.print(
+        f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_ctx}), {m.heldout_n_rows} held-out rows; "
+        f"forward {tm.forward_s:.1f} s, statistics {tm.accumulate_s:.1f} s "
+        f"({100 * tm.accumulate_s / max(tm.forward_s, 1e-9):.1f}% of the forward), solve {tm.solve_s:.1f} s",
+        highlight=False,
+    )
+    out.print(f"wrote {output}", highlight=False)
 
 
 @app.command()

@@ -63,6 +63,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # ggml order (ne[0] first)
     ggml_type: int
     n_bytes: int
+    offset: int = 0  # absolute byte offset of the tensor data in the file
 
     @property
     def n_elements(self) -> int:
@@ -175,7 +176,7 @@ def read_header(path: os.PathLike | str, *, max_array: int = 4096) -> tuple[dict
         end = data_start + offset + n_bytes
         if end > size:
             raise GGUFFileError(f"{p}: truncated GGUF file (tensor {name} ends at byte {end}, file has {size})")
-        tensors.append(TensorInfo(name, shape, ttype, n_bytes))
+        tensors.append(TensorInfo(name, shape, ttype, n_bytes, data_start + offset))
     return md, tensors
 
 

@@ -1,0 +1,327 @@
+"""Fitting the ridge maps: hidden states from llama.cpp, streaming statistics, closed-form solve.
+
+For a split S and every late layer l = S+1 .. L-1, fit ``x_l ≈ A_l φ(x_S) + b_l`` (DESIGN §8):
+
+1. **Capture.** The calibration text is tokenized with the model's own tokenizer and cut into
+   windows of ``ctx`` rows, each a fresh sequence starting with BOS where the model uses one.
+   llama.cpp runs each window and returns the inputs of layers S..L-1 for every row, through the
+   patched library (:mod:`ridgefill_cpp.capture`), i.e. with the numerics of run time.
+2. **Attention-sink rows are left out.** The first ``skip_rows`` rows of a window (BOS and the
+   first tokens) carry the attention sink: their hidden states have huge outlier dimensions and
+   would dominate a least-squares fit while saying nothing about ordinary rows. They are excluded
+   from the statistics. (At run time such rows are rare; keeping them exact is the selector's job.)
+3. **Streaming statistics.** Every ``holdout_every``-th window is held out; all other rows update
+   float64 sums ``n, Σx, Σxxᵀ`` and, per layer, ``Σy, Σxyᵀ``. Memory does not grow with the
+   number of calibration tokens: held-out rows are kept only up to ``max_heldout_rows``.
+4. **Objective.** ``normalized`` (default) fits on RMS-normalised states, φ(x) = x / rms(x), for
+   both x_S and the target x_l: every supported layer starts with an RMS norm, so only the
+   direction of x̂_l reaches it, and a raw fit is dominated by a few outlier dimensions of huge
+   magnitude. ``raw`` fits the states as they are.
+5. **Solve.** With centred statistics (the bias is not penalised), one eigendecomposition
+   Cxx = QΛQᵀ gives every ridge solution W(λ) = Q (Λ+λ)⁻¹ Qᵀ Cxy. The held-out squared error of
+   each λ on a log grid is computed from held-out second moments in O(d²) per λ, and each layer
+   takes its best λ. ``A_l = W(λ_l)ᵀ``, ``b_l = μ_y − A_l μ_x``.
+6. **Quality** on the held-out rows, in the space the layer consumes (directions, i.e. after
+   RMS normalisation of prediction and truth): R² and the median relative error, next to
+   identity fill's (x̂_l = x_S).
+
+The library never prints: progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .corpus import Document
+from .mapfile import OBJECTIVES, MapFileMeta, RidgeMaps, late_layers
+
+#: relative ridge strengths tried per layer (λ = α · mean eigenvalue of Cxx)
+LAMBDA_GRID = tuple(10.0 ** e for e in np.arange(-7.0, 1.01, 0.5))
+
+
+class FitError(ValueError):
+    """Unusable fit input: unsupported model, split out of range, too little text."""
+
+
+@dataclass
+class FitOptions:
+    split: int | None = None  # None: L - floor(L/3)
+    objective: str = "normalized"
+    n_tokens: int = 100_000  # calibration token budget
+    ctx: int = 512  # window length
+    skip_rows: int = 4  # attention-sink rows left out at the start of each window
+    holdout_every: int = 10  # every k-th window is held out
+    max_heldout_rows: int = 4096
+    n_threads: int | None = None
+    lambda_grid: Sequence[float] = LAMBDA_GRID
+
+
+@dataclass
+class FitTimings:
+    forward_s: float = 0.0  # llama.cpp decode, including the capture copies
+    accumulate_s: float = 0.0  # statistics (torch, float64)
+    solve_s: float = 0.0
+    tokenize_s: float = 0.0
+
+
+@dataclass
+class FitResult:
+    maps: RidgeMaps
+    timings: FitTimings
+    n_windows: int
+    lambda_curves: dict[int, list[float]] = field(default_factory=dict)  # layer -> held-out MSE per λ
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RidgeStatistics:
+    """Streaming float64 sufficient statistics of ``y_l ≈ W_lᵀ x + b_l`` for several targets."""
+
+    def __init__(self, d: int, layers: Sequence[int]):
+        self.d = d
+        self.layers = list(layers)
+        self.n = 0
+        self.sx = torch.zeros(d, dtype=torch.float64)
+        self.sxx = torch.zeros(d, d, dtype=torch.float64)
+        self.sy = {il: torch.zeros(d, dtype=torch.float64) for il in self.layers}
+        self.sxy = {il: torch.zeros(d, d, dtype=torch.float64) for il in self.layers}
+
+    def update(self, x: torch.Tensor, ys: dict[int, torch.Tensor]) -> None:
+        x = x.to(torch.float64)
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sxx.addmm_(x.T, x)
+        for il in self.layers:
+            y = ys[il].to(torch.float64)
+            self.sy[il] += y.sum(0)
+            self.sxy[il].addmm_(x.T, y)
+
+    def centred(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μx, Cxx): mean and covariance of x."""
+        mx = self.sx / self.n
+        return mx, self.sxx / self.n - torch.outer(mx, mx)
+
+    def cross(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μy, Cxy) for layer ``il``."""
+        mx = self.sx / self.n
+        my = self.sy[il] / self.n
+        return my, self.sxy[il] / self.n - torch.outer(mx, my)
+
+
+def solve_ridge(stats: RidgeStatistics, il: int, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ridge solution for one λ: (A [out, in], b [out]) with A·x + b ≈ y. Direct solve (for tests)."""
+    mx, cxx = stats.centred()
+    my, cxy = stats.cross(il)
+    w = torch.linalg.solve(cxx + lam * torch.eye(stats.d, dtype=torch.float64), cxy)
+    a = w.T
+    return a, my - a @ mx
+
+
+def select_and_solve(
+    stats: RidgeStatistics,
+    heldout_x: torch.Tensor,
+    heldout_y: dict[int, torch.Tensor],
+    grid: Sequence[float],
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, float, list[float]]]:
+    """Per layer: (A, b, λ, held-out MSE per grid point), λ chosen on the held-out rows."""
+    mx, cxx = stats.centred()
+    evals, q = torch.linalg.eigh(cxx)
+    evals = evals.clamp_min(0)
+    scale = float(evals.mean())
+    lams = [a * scale for a in grid]
+    p = (heldout_x.to(torch.float64) - mx) @ q  # held-out x in the eigenbasis
+    gv = p.T @ p
+    out = {}
+    for il in stats.layers:
+        my, cxy = stats.cross(il)
+        r = q.T @ cxy  # [d, d]
+        yc = heldout_y[il].to(torch.float64) - my
+        t = p.T @ yc
+        term1 = float((yc * yc).sum())
+        t2 = (r * t).sum(1)  # per eigen-direction
+        m = gv * (r @ r.T)
+        mses = []
+        for lam in lams:
+            u = 1.0 / (evals + lam)
+            sse = term1 - 2.0 * float((t2 * u).sum()) + float(u @ m @ u)
+            mses.append(max(sse, 0.0) / max(yc.shape[0], 1))
+        best = int(np.argmin(mses))
+        lam = lams[best]
+        w = q @ (r / (evals + lam)[:, None])
+        a = w.T.contiguous()
+        out[il] = (a, my - a @ mx, lam, mses)
+    return out
+
+
+def _rel_err(pred: torch.Tensor, true: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-row ‖φ(pred) − φ(true)‖ / ‖φ(true)‖: error in the direction the layer's norm sees."""
+    p, t = rms_normalize(pred, eps), rms_normalize(true, eps)
+    return (p - t).norm(dim=-1) / t.norm(dim=-1)
+
+
+def calibration_tokens(llm, documents: Iterable[Document], budget: int) -> list[int]:
+    """Tokens of ``documents`` (model tokenizer, no BOS), separated by EOS, up to ``budget``."""
+    eos = llm.token_eos()
+    out: list[int] = []
+    for doc in documents:
+        toks = llm.tokenize(doc.text.encode("utf-8"), add_bos=False)
+        if not toks:
+            continue
+        out.extend(toks)
+        if eos >= 0:
+            out.append(eos)
+        if len(out) >= budget:
+            break
+    return out[:budget]
+
+
+def fit_ridge_maps(
+    model_path: os.PathLike | str,
+    documents: Iterable[Document],
+    options: FitOptions | None = None,
+    *,
+    source: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> FitResult:
+    """Fit the maps of ``model_path`` on ``documents``. ``progress(tokens_done, tokens_total)``."""
+    from . import __version__
+    from .capture import open_model
+    from .fingerprint import model_fingerprint
+    from .gguf_model import SUPPORTED_ARCHITECTURES, read_metadata, read_model_info
+    from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input
+
+    opt = options or FitOptions()
+    info = read_model_info(model_path)
+    if not info.supported:
+        raise FitError(f"{model_path}: architecture {info.architecture!r} is not supported "
+                       f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    L, d = info.n_layer, info.n_embd
+    split = info.default_split if opt.split is None else int(opt.split)
+    if not 1 <= split <= L - 1:
+        raise FitError(f"split {split} outside 1..{L - 1} (the model has {L} layers)")
+    if split == L - 1:
+        raise FitError(f"split {split} = L-1 leaves no layer to map (maps exist for S+1..L-1)")
+    if opt.objective not in OBJECTIVES:
+        raise FitError(f"objective {opt.objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if opt.ctx <= opt.skip_rows + 1:
+        raise FitError(f"ctx {opt.ctx} leaves no rows after skipping {opt.skip_rows} sink rows")
+    md = read_metadata(model_path)
+    eps = float(md.get(f"{info.architecture}.attention.layer_norm_rms_epsilon", 1e-6))
+    layers = list(late_layers(split, L))
+    normalize = opt.objective == "normalized"
+
+    timings = FitTimings()
+    llm = open_model(model_path, n_ctx=opt.ctx, n_batch=opt.ctx, n_threads=opt.n_threads)
+    try:
+        t0 = time.perf_counter()
+        tokens = calibration_tokens(llm, documents, opt.n_tokens)
+        timings.tokenize_s = time.perf_counter() - t0
+        bos = [llm.token_bos()] if llm._model.add_bos_token() and llm.token_bos() >= 0 else []
+        per_window = opt.ctx - len(bos)
+        rows_per_window = opt.ctx - opt.skip_rows
+        n_windows = len(tokens) // per_window
+        n_train_windows = n_windows - n_windows // opt.holdout_every
+        needed = d + 1
+        if n_windows < 2 or n_train_windows * rows_per_window < needed:
+            raise FitError(
+                f"too little calibration text: {len(tokens)} tokens make {n_windows} window(s) of {opt.ctx}; "
+                f"the fit needs at least {needed} training rows (n_embd + 1 unknowns) plus held-out windows, "
+                f"i.e. about {(math.ceil(needed / rows_per_window) + 1) * per_window} tokens"
+            )
+        ctx = llm._ctx.ctx
+        captured = [split] + layers
+        for il in captured:
+            llama_ridgefill_capture_layer_input(ctx, il, True)
+        stats = RidgeStatistics(d, layers)
+        held_x: list[torch.Tensor] = []
+        held_y: dict[int, list[torch.Tensor]] = {il: [] for il in layers}
+        n_held = 0
+        done = 0
+        for w in range(n_windows):
+            window = bos + tokens[w * per_window:(w + 1) * per_window]
+            t0 = time.perf_counter()
+            llm.reset()
+            llm.eval(window)
+            states = {}
+            for il in captured:
+                ptr = llama_ridgefill_get_layer_input(ctx, il)
+                arr = np.ctypeslib.as_array(ptr, shape=(len(window), d))
+                states[il] = torch.from_numpy(arr[opt.skip_rows:].copy())
+            t1 = time.perf_counter()
+            timings.forward_s += t1 - t0
+            x = states[split].to(torch.float64)
+            if normalize:
+                x = rms_normalize(x, eps)
+                ys = {il: rms_normalize(states[il].to(torch.float64), eps) for il in layers}
+            else:
+                ys = {il: states[il].to(torch.float64) for il in layers}
+            if (w + 1) % opt.holdout_every == 0:
+                if n_held < opt.max_heldout_rows:
+                    k = min(x.shape[0], opt.max_heldout_rows - n_held)
+                    held_x.append(x[:k])
+                    for il in layers:
+                        held_y[il].append(ys[il][:k])
+                    n_held += k
+            else:
+                stats.update(x, ys)
+            timings.accumulate_s += time.perf_counter() - t1
+            done += len(window) - len(bos)
+            if progress:
+                progress(done, n_windows * per_window)
+    finally:
+        llm.close()
+
+    t0 = time.perf_counter()
+    hx = torch.cat(held_x)
+    hy = {il: torch.cat(v) for il, v in held_y.items()}
+    solved = select_and_solve(stats, hx, hy, opt.lambda_grid)
+    a_maps, b_maps, lambdas, r2s, errs, id_errs, curves = {}, {}, [], [], [], [], {}
+    # identity fill compares x_S with x_l in the consumed (normalised) space
+    hx_phi = rms_normalize(hx, eps)
+    for il in layers:
+        a, b, lam, mses = solved[il]
+        pred = hx @ a.T + b
+        resid = ((hy[il] - pred) ** 2).sum()
+        total = ((hy[il] - hy[il].mean(0)) ** 2).sum()
+        r2s.append(float(1.0 - resid / total))
+        errs.append(float(_rel_err(pred, hy[il], eps).median()))
+        id_errs.append(float(_rel_err(hx_phi, hy[il], eps).median()))
+        lambdas.append(float(lam))
+        curves[il] = mses
+        a_maps[il] = a.to(torch.float32).numpy()
+        b_maps[il] = b.to(torch.float32).numpy()
+    timings.solve_s = time.perf_counter() - t0
+
+    meta = MapFileMeta(
+        architecture=info.architecture,
+        split_layer=split,
+        n_layer=L,
+        n_embd=d,
+        objective=opt.objective,
+        input_norm_eps=eps,
+        layers=layers,
+        lambdas=lambdas,
+        calib_n_tokens=n_windows * per_window,
+        calib_n_rows=stats.n,
+        calib_source=source,
+        calib_ctx=opt.ctx,
+        calib_skip_rows=opt.skip_rows,
+        heldout_n_rows=int(hx.shape[0]),
+        r2=r2s,
+        rel_err_median=errs,
+        identity_rel_err_median=id_errs,
+        fingerprint=model_fingerprint(model_path),
+        model_name=info.name or Path(model_path).name,
+        tool_version=__version__,
+    )
+    return FitResult(RidgeMaps(meta, a_maps, b_maps), timings, n_windows, curves)

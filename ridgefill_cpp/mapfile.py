@@ -1,0 +1,286 @@
+"""The RidgeFill map file (DESIGN §7): GGUF side tensors, their metadata schema, reading and writing.
+
+One module owns the schema (key names, tensor names) so that ``fit``, ``info``, the runtime loader
+and the tests agree. A map file is a GGUF adapter::
+
+    general.type = "adapter", adapter.type = "ridgefill", general.architecture = <the model's>
+    ridgefill.*                                   metadata below
+    blk.{l}.ridgefill_a.weight  [n_embd, n_embd]  F16/F32, numpy [out, in]: ggml mul_mat(A, x) = A·x
+    blk.{l}.ridgefill_b.bias    [n_embd]          F32
+    for every late layer l = S+1 .. L-1          (l = S uses x_S itself)
+
+The map predicts the input of layer l from the split-layer state of the same row:
+``x̂_l = A_l φ(x_S) + b_l`` where φ is the identity (``input_norm = "none"``) or RMS
+normalisation without weight (``"rms"``: ``x / sqrt(mean(x²) + eps)``), as recorded in the file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+FORMAT_VERSION = 1
+ADAPTER_TYPE = "ridgefill"
+
+# metadata keys
+KEY_FORMAT_VERSION = "ridgefill.format_version"
+KEY_TOOL_VERSION = "ridgefill.tool_version"
+KEY_SPLIT = "ridgefill.split_layer"
+KEY_N_LAYER = "ridgefill.n_layer"
+KEY_N_EMBD = "ridgefill.n_embd"
+KEY_OBJECTIVE = "ridgefill.objective"
+KEY_INPUT_NORM = "ridgefill.input_norm"
+KEY_INPUT_NORM_EPS = "ridgefill.input_norm_eps"
+KEY_LAYERS = "ridgefill.layers"
+KEY_LAMBDA = "ridgefill.lambda"
+KEY_CALIB_TOKENS = "ridgefill.calibration.n_tokens"
+KEY_CALIB_ROWS = "ridgefill.calibration.n_rows"
+KEY_CALIB_SOURCE = "ridgefill.calibration.source"
+KEY_CALIB_CTX = "ridgefill.calibration.ctx"
+KEY_CALIB_SKIP = "ridgefill.calibration.skip_rows"
+KEY_HELDOUT_ROWS = "ridgefill.quality.n_heldout_rows"
+KEY_R2 = "ridgefill.quality.r2"
+KEY_REL_ERR = "ridgefill.quality.rel_err_median"
+KEY_ID_REL_ERR = "ridgefill.quality.identity_rel_err_median"
+KEY_FINGERPRINT = "ridgefill.model.fingerprint"
+KEY_MODEL_NAME = "ridgefill.model.name"
+
+OBJECTIVES = ("raw", "normalized")
+INPUT_NORMS = {"raw": "none", "normalized": "rms"}
+
+
+def tensor_name_a(il: int) -> str:
+    return f"blk.{il}.ridgefill_a.weight"
+
+
+def tensor_name_b(il: int) -> str:
+    return f"blk.{il}.ridgefill_b.bias"
+
+
+class MapFileError(ValueError):
+    """A map file that cannot be used: unreadable, malformed, non-finite, or for another model."""
+
+
+@dataclass
+class MapFileMeta:
+    architecture: str
+    split_layer: int
+    n_layer: int
+    n_embd: int
+    objective: str = "normalized"
+    input_norm_eps: float = 1e-6
+    layers: list[int] = field(default_factory=list)  # late layers with maps: S+1 .. L-1
+    lambdas: list[float] = field(default_factory=list)
+    calib_n_tokens: int = 0
+    calib_n_rows: int = 0
+    calib_source: str = ""
+    calib_ctx: int = 0
+    calib_skip_rows: int = 0
+    heldout_n_rows: int = 0
+    r2: list[float] = field(default_factory=list)
+    rel_err_median: list[float] = field(default_factory=list)
+    identity_rel_err_median: list[float] = field(default_factory=list)
+    fingerprint: str = ""
+    model_name: str = ""
+    tool_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def input_norm(self) -> str:
+        return INPUT_NORMS[self.objective]
+
+
+@dataclass
+class RidgeMaps:
+    meta: MapFileMeta
+    a: dict[int, np.ndarray]  # layer -> [n_embd, n_embd] (out, in), float32
+    b: dict[int, np.ndarray]  # layer -> [n_embd], float32
+
+    def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
+        """x̂_l for rows ``xs`` ([n, n_embd] split-layer states), as the runtime computes it."""
+        xs = np.asarray(xs, dtype=np.float64)
+        if self.meta.objective == "normalized":
+            xs = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + self.meta.input_norm_eps)
+        return xs @ self.a[il].astype(np.float64).T + self.b[il]
+
+
+def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f16", overwrite: bool = False) -> Path:
+    """Write ``maps`` atomically (a temporary file in the same directory, then a rename)."""
+    import gguf
+
+    path = Path(path)
+    meta = maps.meta
+    if dtype not in ("f16", "f32"):
+        raise ValueError(f"dtype must be 'f16' or 'f32', not {dtype!r}")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists (use --force to overwrite it)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path.parent}: no such directory")
+    if not os.access(path.parent, os.W_OK):
+        raise PermissionError(f"{path.parent}: not writable")
+    check_maps(maps)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, meta.architecture)
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_string("adapter.type", ADAPTER_TYPE)
+        w.add_string("general.name", f"RidgeFill maps for {meta.model_name or meta.architecture} (S={meta.split_layer})")
+        w.add_uint32(KEY_FORMAT_VERSION, meta.format_version)
+        w.add_string(KEY_TOOL_VERSION, meta.tool_version)
+        w.add_uint32(KEY_SPLIT, meta.split_layer)
+        w.add_uint32(KEY_N_LAYER, meta.n_layer)
+        w.add_uint32(KEY_N_EMBD, meta.n_embd)
+        w.add_string(KEY_OBJECTIVE, meta.objective)
+        w.add_string(KEY_INPUT_NORM, meta.input_norm)
+        w.add_float32(KEY_INPUT_NORM_EPS, meta.input_norm_eps)
+        w.add_array(KEY_LAYERS, [int(x) for x in meta.layers])
+        w.add_key_value(KEY_LAMBDA, [float(x) for x in meta.lambdas], gguf.GGUFValueType.ARRAY,
+                        sub_type=gguf.GGUFValueType.FLOAT32)
+        w.add_uint64(KEY_CALIB_TOKENS, meta.calib_n_tokens)
+        w.add_uint64(KEY_CALIB_ROWS, meta.calib_n_rows)
+        w.add_string(KEY_CALIB_SOURCE, meta.calib_source)
+        w.add_uint32(KEY_CALIB_CTX, meta.calib_ctx)
+        w.add_uint32(KEY_CALIB_SKIP, meta.calib_skip_rows)
+        w.add_uint64(KEY_HELDOUT_ROWS, meta.heldout_n_rows)
+        for key, vals in ((KEY_R2, meta.r2), (KEY_REL_ERR, meta.rel_err_median), (KEY_ID_REL_ERR, meta.identity_rel_err_median)):
+            w.add_key_value(key, [float(x) for x in vals], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+        w.add_string(KEY_FINGERPRINT, meta.fingerprint)
+        w.add_string(KEY_MODEL_NAME, meta.model_name)
+        for il in meta.layers:
+            a = np.ascontiguousarray(maps.a[il], dtype=np.float16 if dtype == "f16" else np.float32)
+            w.add_tensor(tensor_name_a(il), a)
+            w.add_tensor(tensor_name_b(il), np.ascontiguousarray(maps.b[il], dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def check_maps(maps: RidgeMaps) -> None:
+    """Structural and numeric checks shared by the writer and the reader."""
+    m = maps.meta
+    if m.objective not in OBJECTIVES:
+        raise MapFileError(f"unknown objective {m.objective!r} (expected one of {', '.join(OBJECTIVES)})")
+    if not 0 < m.split_layer < m.n_layer:
+        raise MapFileError(f"split layer {m.split_layer} outside 1..{m.n_layer - 1}")
+    want = list(range(m.split_layer + 1, m.n_layer))
+    if list(m.layers) != want:
+        raise MapFileError(f"maps for layers {list(m.layers)}, expected {want} (S+1 .. L-1)")
+    for name, vals in (("lambda", m.lambdas), ("r2", m.r2), ("rel_err_median", m.rel_err_median),
+                       ("identity_rel_err_median", m.identity_rel_err_median)):
+        if len(vals) != len(want):
+            raise MapFileError(f"{name} has {len(vals)} entries, expected one per mapped layer ({len(want)})")
+    for il in want:
+        a, b = maps.a.get(il), maps.b.get(il)
+        if a is None or b is None:
+            raise MapFileError(f"layer {il}: missing {tensor_name_a(il) if a is None else tensor_name_b(il)}")
+        if a.shape != (m.n_embd, m.n_embd) or b.shape != (m.n_embd,):
+            raise MapFileError(f"layer {il}: A {a.shape} / b {b.shape}, expected ({m.n_embd}, {m.n_embd}) / ({m.n_embd},)")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise MapFileError(f"layer {il}: the map has NaN or Inf values")
+
+
+def read_map_file(path: os.PathLike | str) -> RidgeMaps:
+    """Read and check a map file. Raises :class:`MapFileError` saying what is wrong."""
+    from .gguf_model import GGUFFileError, read_metadata, read_tensors
+
+    try:
+        md = read_metadata(path)
+    except GGUFFileError as e:
+        raise MapFileError(str(e)) from None
+    if md.get("general.type") != "adapter" or md.get("adapter.type") != ADAPTER_TYPE:
+        raise MapFileError(
+            f"{path}: not a RidgeFill map file (general.type={md.get('general.type')!r}, "
+            f"adapter.type={md.get('adapter.type')!r}; expected 'adapter' / '{ADAPTER_TYPE}')"
+        )
+    version = md.get(KEY_FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise MapFileError(f"{path}: map file format version {version}, this tool reads version {FORMAT_VERSION}")
+    try:
+        meta = MapFileMeta(
+            architecture=md["general.architecture"],
+            split_layer=int(md[KEY_SPLIT]),
+            n_layer=int(md[KEY_N_LAYER]),
+            n_embd=int(md[KEY_N_EMBD]),
+            objective=md[KEY_OBJECTIVE],
+            input_norm_eps=float(md[KEY_INPUT_NORM_EPS]),
+            layers=[int(x) for x in md[KEY_LAYERS]],
+            lambdas=list(md[KEY_LAMBDA]),
+            calib_n_tokens=int(md[KEY_CALIB_TOKENS]),
+            calib_n_rows=int(md[KEY_CALIB_ROWS]),
+            calib_source=md[KEY_CALIB_SOURCE],
+            calib_ctx=int(md[KEY_CALIB_CTX]),
+            calib_skip_rows=int(md[KEY_CALIB_SKIP]),
+            heldout_n_rows=int(md[KEY_HELDOUT_ROWS]),
+            r2=list(md[KEY_R2]),
+            rel_err_median=list(md[KEY_REL_ERR]),
+            identity_rel_err_median=list(md[KEY_ID_REL_ERR]),
+            fingerprint=md[KEY_FINGERPRINT],
+            model_name=md.get(KEY_MODEL_NAME, ""),
+            tool_version=md.get(KEY_TOOL_VERSION, ""),
+            format_version=int(version),
+        )
+    except KeyError as e:
+        raise MapFileError(f"{path}: missing metadata key {e.args[0]}") from None
+    if md.get(KEY_INPUT_NORM) != meta.input_norm:
+        raise MapFileError(f"{path}: input_norm {md.get(KEY_INPUT_NORM)!r} does not match objective {meta.objective!r}")
+    try:
+        tensors = read_tensors(path)
+    except GGUFFileError as e:
+        raise MapFileError(str(e)) from None
+    maps = RidgeMaps(meta, {}, {})
+    for il in meta.layers:
+        if tensor_name_a(il) in tensors:
+            maps.a[il] = tensors[tensor_name_a(il)]
+        if tensor_name_b(il) in tensors:
+            maps.b[il] = tensors[tensor_name_b(il)]
+    try:
+        check_maps(maps)
+    except MapFileError as e:
+        raise MapFileError(f"{path}: {e}") from None
+    return maps
+
+
+def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str) -> list[str]:
+    """Why the maps do not fit the model at ``model_path`` (empty list: they fit)."""
+    from .fingerprint import model_fingerprint
+    from .gguf_model import read_model_info
+
+    info = read_model_info(model_path)
+    problems = []
+    if info.architecture != meta.architecture:
+        problems.append(f"architecture: maps are for {meta.architecture}, the model is {info.architecture}")
+    if info.n_layer != meta.n_layer:
+        problems.append(f"layers: maps are for {meta.n_layer}, the model has {info.n_layer}")
+    if info.n_embd != meta.n_embd:
+        problems.append(f"n_embd: maps are for {meta.n_embd}, the model has {info.n_embd}")
+    if not problems:
+        fp = model_fingerprint(model_path)
+        if fp != meta.fingerprint:
+            problems.append(f"fingerprint: maps were fitted on {meta.fingerprint}, the model is {fp} (another checkpoint)")
+    return problems
+
+
+def summary_rows(meta: MapFileMeta) -> list[dict[str, Any]]:
+    """One dict per mapped layer: layer, lambda, r2, rel_err, identity_rel_err."""
+    return [
+        {"layer": il, "lambda": lam, "r2": r2, "rel_err": e, "identity_rel_err": ie}
+        for il, lam, r2, e, ie in zip(meta.layers, meta.lambdas, meta.r2, meta.rel_err_median,
+                                      meta.identity_rel_err_median)
+    ]
+
+
+def late_layers(split_layer: int, n_layer: int) -> Sequence[int]:
+    """The layers that get a map: S+1 .. L-1."""
+    return range(split_layer + 1, n_layer)
