@@ -163,6 +163,17 @@ def select_and_solve(
     return out
 
 
+def _objective_space(states: dict[int, torch.Tensor], split: int, layers: Sequence[int], normalize: bool,
+                     eps: float) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """(x, {l: y_l}) in float64, RMS-normalised for the ``normalized`` objective."""
+    x = states[split].to(torch.float64)
+    ys = {il: states[il].to(torch.float64) for il in layers}
+    if normalize:
+        x = rms_normalize(x, eps)
+        ys = {il: rms_normalize(y, eps) for il, y in ys.items()}
+    return x, ys
+
+
 def _rel_err(pred: torch.Tensor, true: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-row ‖φ(pred) − φ(true)‖ / ‖φ(true)‖: error in the direction the layer's norm sees."""
     p, t = rms_normalize(pred, eps), rms_normalize(true, eps)
@@ -185,6 +196,45 @@ def calibration_tokens(llm, documents: Iterable[Document], budget: int) -> list[
     return out[:budget]
 
 
+class _WindowCapture:
+    """Decode calibration windows with llama.cpp and hand back the captured layer inputs."""
+
+    def __init__(self, model_path, layers: Sequence[int], ctx: int, n_threads: int | None):
+        from ._native import llama_ridgefill_capture_layer_input
+        from .capture import open_model
+
+        self.llm = open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
+        self.layers = list(layers)
+        self.ctx = ctx
+        bos = self.llm.token_bos()
+        self.bos = [bos] if self.llm._model.add_bos_token() and bos >= 0 else []
+        self.n_embd = self.llm.n_embd()
+        for il in self.layers:
+            llama_ridgefill_capture_layer_input(self.llm._ctx.ctx, il, True)
+
+    @property
+    def per_window(self) -> int:
+        """Calibration tokens per window (the window less its BOS)."""
+        return self.ctx - len(self.bos)
+
+    def run(self, window_tokens: Sequence[int], skip_rows: int) -> dict[int, torch.Tensor]:
+        """layer -> float32 [rows - skip_rows, n_embd] inputs of that layer for one window."""
+        from ._native import llama_ridgefill_get_layer_input
+
+        window = self.bos + list(window_tokens)
+        self.llm.reset()
+        self.llm.eval(window)
+        out = {}
+        for il in self.layers:
+            ptr = llama_ridgefill_get_layer_input(self.llm._ctx.ctx, il)
+            arr = np.ctypeslib.as_array(ptr, shape=(len(window), self.n_embd))
+            out[il] = torch.from_numpy(arr[skip_rows:].copy())
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 def fit_ridge_maps(
     model_path: os.PathLike | str,
     documents: Iterable[Document],
@@ -195,10 +245,8 @@ def fit_ridge_maps(
 ) -> FitResult:
     """Fit the maps of ``model_path`` on ``documents``. ``progress(tokens_done, tokens_total)``."""
     from . import __version__
-    from .capture import open_model
     from .fingerprint import model_fingerprint
     from .gguf_model import SUPPORTED_ARCHITECTURES, read_metadata, read_model_info
-    from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input
 
     opt = options or FitOptions()
     info = read_model_info(model_path)
@@ -221,13 +269,12 @@ def fit_ridge_maps(
     normalize = opt.objective == "normalized"
 
     timings = FitTimings()
-    llm = open_model(model_path, n_ctx=opt.ctx, n_batch=opt.ctx, n_threads=opt.n_threads)
+    cap = _WindowCapture(model_path, [split] + layers, opt.ctx, opt.n_threads)
     try:
         t0 = time.perf_counter()
-        tokens = calibration_tokens(llm, documents, opt.n_tokens)
+        tokens = calibration_tokens(cap.llm, documents, opt.n_tokens)
         timings.tokenize_s = time.perf_counter() - t0
-        bos = [llm.token_bos()] if llm._model.add_bos_token() and llm.token_bos() >= 0 else []
-        per_window = opt.ctx - len(bos)
+        per_window = cap.per_window
         rows_per_window = opt.ctx - opt.skip_rows
         n_windows = len(tokens) // per_window
         n_train_windows = n_windows - n_windows // opt.holdout_every
@@ -238,33 +285,16 @@ def fit_ridge_maps(
                 f"the fit needs at least {needed} training rows (n_embd + 1 unknowns) plus held-out windows, "
                 f"i.e. about {(math.ceil(needed / rows_per_window) + 1) * per_window} tokens"
             )
-        ctx = llm._ctx.ctx
-        captured = [split] + layers
-        for il in captured:
-            llama_ridgefill_capture_layer_input(ctx, il, True)
         stats = RidgeStatistics(d, layers)
         held_x: list[torch.Tensor] = []
         held_y: dict[int, list[torch.Tensor]] = {il: [] for il in layers}
         n_held = 0
-        done = 0
         for w in range(n_windows):
-            window = bos + tokens[w * per_window:(w + 1) * per_window]
             t0 = time.perf_counter()
-            llm.reset()
-            llm.eval(window)
-            states = {}
-            for il in captured:
-                ptr = llama_ridgefill_get_layer_input(ctx, il)
-                arr = np.ctypeslib.as_array(ptr, shape=(len(window), d))
-                states[il] = torch.from_numpy(arr[opt.skip_rows:].copy())
+            states = cap.run(tokens[w * per_window:(w + 1) * per_window], opt.skip_rows)
             t1 = time.perf_counter()
             timings.forward_s += t1 - t0
-            x = states[split].to(torch.float64)
-            if normalize:
-                x = rms_normalize(x, eps)
-                ys = {il: rms_normalize(states[il].to(torch.float64), eps) for il in layers}
-            else:
-                ys = {il: states[il].to(torch.float64) for il in layers}
+            x, ys = _objective_space(states, split, layers, normalize, eps)
             if (w + 1) % opt.holdout_every == 0:
                 if n_held < opt.max_heldout_rows:
                     k = min(x.shape[0], opt.max_heldout_rows - n_held)
@@ -275,11 +305,10 @@ def fit_ridge_maps(
             else:
                 stats.update(x, ys)
             timings.accumulate_s += time.perf_counter() - t1
-            done += len(window) - len(bos)
             if progress:
-                progress(done, n_windows * per_window)
+                progress((w + 1) * per_window, n_windows * per_window)
     finally:
-        llm.close()
+        cap.close()
 
     t0 = time.perf_counter()
     hx = torch.cat(held_x)
@@ -325,3 +354,43 @@ def fit_ridge_maps(
         tool_version=__version__,
     )
     return FitResult(RidgeMaps(meta, a_maps, b_maps), timings, n_windows, curves)
+
+
+def evaluate_maps(
+    model_path: os.PathLike | str,
+    maps: RidgeMaps,
+    documents: Iterable[Document],
+    *,
+    n_tokens: int = 20_000,
+    n_threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Median relative error of the predicted layer input on ``documents`` (e.g. evaluation text):
+    ``{"layers", "ridge", "identity"}``, per mapped layer, in the direction the layer's norm sees.
+    Uses the calibration windowing of the map file (window length, skipped sink rows)."""
+    meta = maps.meta
+    cap = _WindowCapture(model_path, [meta.split_layer] + list(meta.layers), meta.calib_ctx, n_threads)
+    errs: dict[int, list[torch.Tensor]] = {il: [] for il in meta.layers}
+    id_errs: dict[int, list[torch.Tensor]] = {il: [] for il in meta.layers}
+    try:
+        tokens = calibration_tokens(cap.llm, documents, n_tokens)
+        n_windows = len(tokens) // cap.per_window
+        if n_windows < 1:
+            raise FitError(f"too little evaluation text: {len(tokens)} tokens, a window needs {cap.per_window}")
+        for w in range(n_windows):
+            states = cap.run(tokens[w * cap.per_window:(w + 1) * cap.per_window], meta.calib_skip_rows)
+            xs = states[meta.split_layer].to(torch.float64)
+            for il in meta.layers:
+                pred = torch.from_numpy(maps.predict(il, xs.numpy()))
+                errs[il].append(_rel_err(pred, states[il].to(torch.float64), meta.input_norm_eps))
+                id_errs[il].append(_rel_err(xs, states[il].to(torch.float64), meta.input_norm_eps))
+            if progress:
+                progress((w + 1) * cap.per_window, n_windows * cap.per_window)
+    finally:
+        cap.close()
+    return {
+        "layers": list(meta.layers),
+        "ridge": [float(torch.cat(errs[il]).median()) for il in meta.layers],
+        "identity": [float(torch.cat(id_errs[il]).median()) for il in meta.layers],
+        "n_tokens": n_windows * cap.per_window,
+    }

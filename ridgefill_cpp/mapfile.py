@@ -132,7 +132,7 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
         w.add_string("adapter.type", ADAPTER_TYPE)
         w.add_string("general.name", f"RidgeFill maps for {meta.model_name or meta.architecture} (S={meta.split_layer})")
         w.add_uint32(KEY_FORMAT_VERSION, meta.format_version)
-        w.add_string(KEY_TOOL_VERSION, meta.tool_version)
+        w.add_string(KEY_TOOL_VERSION, meta.tool_version or "unknown")
         w.add_uint32(KEY_SPLIT, meta.split_layer)
         w.add_uint32(KEY_N_LAYER, meta.n_layer)
         w.add_uint32(KEY_N_EMBD, meta.n_embd)
@@ -144,14 +144,14 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
                         sub_type=gguf.GGUFValueType.FLOAT32)
         w.add_uint64(KEY_CALIB_TOKENS, meta.calib_n_tokens)
         w.add_uint64(KEY_CALIB_ROWS, meta.calib_n_rows)
-        w.add_string(KEY_CALIB_SOURCE, meta.calib_source)
+        w.add_string(KEY_CALIB_SOURCE, meta.calib_source or "unspecified")  # gguf-py drops empty strings
         w.add_uint32(KEY_CALIB_CTX, meta.calib_ctx)
         w.add_uint32(KEY_CALIB_SKIP, meta.calib_skip_rows)
         w.add_uint64(KEY_HELDOUT_ROWS, meta.heldout_n_rows)
         for key, vals in ((KEY_R2, meta.r2), (KEY_REL_ERR, meta.rel_err_median), (KEY_ID_REL_ERR, meta.identity_rel_err_median)):
             w.add_key_value(key, [float(x) for x in vals], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
-        w.add_string(KEY_FINGERPRINT, meta.fingerprint)
-        w.add_string(KEY_MODEL_NAME, meta.model_name)
+        w.add_string(KEY_FINGERPRINT, meta.fingerprint or "unknown")
+        w.add_string(KEY_MODEL_NAME, meta.model_name or meta.architecture)
         for il in meta.layers:
             a = np.ascontiguousarray(maps.a[il], dtype=np.float16 if dtype == "f16" else np.float32)
             w.add_tensor(tensor_name_a(il), a)

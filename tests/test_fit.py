@@ -1,0 +1,147 @@
+"""Ridge fitting: closed-form correctness, streaming statistics, λ selection, end-to-end fits."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill_cpp import corpus
+from ridgefill_cpp.fit import (
+    FitError,
+    FitOptions,
+    RidgeStatistics,
+    evaluate_maps,
+    fit_ridge_maps,
+    select_and_solve,
+    solve_ridge,
+)
+from ridgefill_cpp.mapfile import read_map_file, write_map_file
+
+
+def _synthetic(n=600, d=12, seed=0, noise=0.01):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, d, dtype=torch.float64)
+    a_true = torch.randn(d, d, generator=g, dtype=torch.float64)
+    b_true = torch.randn(d, generator=g, dtype=torch.float64)
+    y = x @ a_true.T + b_true + noise * torch.randn(n, d, generator=g, dtype=torch.float64)
+    return x, y, a_true, b_true
+
+
+def test_known_linear_relation_is_recovered():
+    x, y, a_true, b_true = _synthetic(noise=1e-3)
+    stats = RidgeStatistics(x.shape[1], [7])
+    stats.update(x, {7: y})
+    a, b = solve_ridge(stats, 7, lam=1e-9)
+    assert torch.allclose(a, a_true, atol=2e-3)
+    assert torch.allclose(b, b_true, atol=2e-3)
+
+
+def test_streaming_equals_batch_accumulation():
+    x, y, _, _ = _synthetic(n=500)
+    one = RidgeStatistics(x.shape[1], [3])
+    one.update(x, {3: y})
+    many = RidgeStatistics(x.shape[1], [3])
+    for lo in range(0, 500, 37):
+        many.update(x[lo:lo + 37], {3: y[lo:lo + 37]})
+    assert many.n == one.n == 500
+    assert torch.allclose(many.sxx, one.sxx, rtol=1e-12)
+    assert torch.allclose(many.sxy[3], one.sxy[3], rtol=1e-12)
+    # and against the definition
+    xb = torch.cat([x, torch.ones(500, 1, dtype=torch.float64)], 1)
+    gram = xb.T @ xb
+    assert torch.allclose(one.sxx, gram[:-1, :-1]) and torch.allclose(one.sx, gram[-1, :-1])
+
+
+def test_selected_maps_satisfy_the_ridge_normal_equations():
+    x, y, _, _ = _synthetic(n=800, noise=0.5)
+    train, held = slice(0, 600), slice(600, 800)
+    stats = RidgeStatistics(x.shape[1], [1])
+    stats.update(x[train], {1: y[train]})
+    grid = [1e-6, 1e-3, 1e-1, 1.0, 10.0]
+    (a, b, lam, mses), = select_and_solve(stats, x[held], {1: y[held]}, grid).values()
+    mx, cxx = stats.centred()
+    my, cxy = stats.cross(1)
+    # (Cxx + λI) Aᵀ = Cxy and b = μy - A μx: the closed form, for the λ that was chosen
+    lhs = (cxx + lam * torch.eye(x.shape[1], dtype=torch.float64)) @ a.T
+    assert torch.allclose(lhs, cxy, atol=1e-8)
+    assert torch.allclose(b, my - a @ mx)
+    # the O(d²) held-out error per λ equals the error computed row by row
+    scale = float(torch.linalg.eigvalsh(cxx).clamp_min(0).mean())
+    for alpha, mse in zip(grid, mses):
+        a2, b2 = solve_ridge(stats, 1, alpha * scale)
+        direct = float(((y[held] - (x[held] @ a2.T + b2)) ** 2).sum()) / 200
+        assert mse == pytest.approx(direct, rel=1e-6)
+    assert lam == pytest.approx(grid[int(np.argmin(mses))] * scale)
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny_fit(tiny_models):
+    """A fit of the tiny llama model on 6000 calibration tokens (seconds)."""
+    path = tiny_models["llama"]
+    before = _sha(path)
+    res = fit_ridge_maps(path, corpus.default_documents("calibration"),
+                         FitOptions(n_tokens=6000, ctx=128, split=3), source="test")
+    assert _sha(path) == before  # the model file is never modified
+    return path, res
+
+
+def test_fit_on_a_tiny_model(tiny_fit):
+    path, res = tiny_fit
+    m = res.maps.meta
+    assert (m.architecture, m.split_layer, m.n_layer, m.n_embd, m.layers) == ("llama", 3, 6, 64, [4, 5])
+    assert m.calib_ctx == 128 and m.calib_skip_rows == 4 and m.objective == "normalized"
+    assert m.calib_n_rows == sum(1 for w in range(res.n_windows) if (w + 1) % 10) * (128 - 4)
+    assert all(lam > 0 for lam in m.lambdas)
+    # on held-out rows the maps beat identity fill at every layer
+    assert all(r < i for r, i in zip(m.rel_err_median, m.identity_rel_err_median)), (m.rel_err_median, m.identity_rel_err_median)
+    assert all(0 < r2 <= 1 for r2 in m.r2)
+
+
+def test_maps_beat_identity_on_evaluation_text(tiny_fit):
+    path, res = tiny_fit
+    ev = evaluate_maps(path, res.maps, corpus.default_documents("evaluation"), n_tokens=3000)
+    assert ev["layers"] == [4, 5]
+    assert all(r < i for r, i in zip(ev["ridge"], ev["identity"])), ev
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen35"])
+def test_fit_every_architecture(tiny_models, arch, tmp_path):
+    res = fit_ridge_maps(tiny_models[arch], corpus.default_documents("calibration"),
+                         FitOptions(n_tokens=3000, ctx=128, objective="raw"))
+    out = write_map_file(tmp_path / "m.gguf", res.maps, dtype="f32")
+    back = read_map_file(out)
+    assert back.meta.architecture == arch and back.meta.objective == "raw"
+    for il in back.meta.layers:
+        assert np.array_equal(back.a[il], res.maps.a[il]) and np.array_equal(back.b[il], res.maps.b[il])
+
+
+def test_too_little_text_says_how_much_is_needed(tiny_models, tmp_path):
+    with pytest.raises(FitError, match=r"too little calibration text: \d+ tokens .* at least 65 training rows"):
+        fit_ridge_maps(tiny_models["llama"], [corpus.Document("x", "text", "just a few words")], FitOptions(ctx=64))
+
+
+@pytest.mark.parametrize("split", [0, 6, 7, 5])
+def test_split_out_of_range(tiny_models, split):
+    with pytest.raises(FitError, match="split"):
+        fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"), FitOptions(split=split))
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+
+    p = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(p, "gpt2")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(FitError, match="'gpt2' is not supported .*llama, qwen3, gemma3, qwen35"):
+        fit_ridge_maps(p, [], FitOptions())

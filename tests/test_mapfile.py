@@ -1,0 +1,225 @@
+"""The map file: gguf-py round trip, atomic writes, every bad-input case, and the fit/info CLI."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ridgefill_cpp import mapfile
+from ridgefill_cpp.fingerprint import model_fingerprint
+from ridgefill_cpp.mapfile import MapFileError, MapFileMeta, RidgeMaps, read_map_file, write_map_file
+
+
+def _maps(n_embd=16, split=3, n_layer=6, seed=0, arch="llama", fingerprint="sha256:x") -> RidgeMaps:
+    rng = np.random.default_rng(seed)
+    layers = list(range(split + 1, n_layer))
+    meta = MapFileMeta(
+        architecture=arch, split_layer=split, n_layer=n_layer, n_embd=n_embd, objective="normalized",
+        input_norm_eps=1e-5, layers=layers, lambdas=[0.1 * (i + 1) for i in range(len(layers))],
+        calib_n_tokens=1000, calib_n_rows=900, calib_source="unit test", calib_ctx=128, calib_skip_rows=4,
+        heldout_n_rows=100, r2=[0.9] * len(layers), rel_err_median=[0.2] * len(layers),
+        identity_rel_err_median=[0.5] * len(layers), fingerprint=fingerprint, model_name="m", tool_version="t",
+    )
+    return RidgeMaps(meta, {il: rng.standard_normal((n_embd, n_embd)).astype(np.float32) for il in layers},
+                     {il: rng.standard_normal(n_embd).astype(np.float32) for il in layers})
+
+
+def test_round_trip_through_gguf_py(tmp_path):
+    import gguf
+
+    maps = _maps()
+    p = write_map_file(tmp_path / "m.ridgefill.gguf", maps, dtype="f16")
+    r = gguf.GGUFReader(p)
+    kv = {k: f.contents() for k, f in r.fields.items()}
+    assert kv["general.type"] == "adapter" and kv["adapter.type"] == "ridgefill"
+    assert kv["general.architecture"] == "llama"
+    assert kv[mapfile.KEY_SPLIT] == 3 and kv[mapfile.KEY_N_LAYER] == 6 and kv[mapfile.KEY_N_EMBD] == 16
+    assert kv[mapfile.KEY_INPUT_NORM] == "rms" and kv[mapfile.KEY_OBJECTIVE] == "normalized"
+    assert kv[mapfile.KEY_LAYERS] == [4, 5]
+    assert kv[mapfile.KEY_LAMBDA] == pytest.approx([0.1, 0.2])
+    tensors = {t.name: t for t in r.tensors}
+    assert set(tensors) == {"blk.4.ridgefill_a.weight", "blk.4.ridgefill_b.bias", "blk.5.ridgefill_a.weight", "blk.5.ridgefill_b.bias"}
+    a = tensors["blk.4.ridgefill_a.weight"]
+    assert a.tensor_type == gguf.GGMLQuantizationType.F16 and list(a.shape) == [16, 16]
+    assert tensors["blk.4.ridgefill_b.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+    # numpy [out, in] == ggml ne [in, out]: row o of A is what output o reads
+    assert np.array_equal(np.asarray(a.data).reshape(16, 16), maps.a[4].astype(np.float16))
+    back = read_map_file(p)
+    _assert_same_meta(back.meta, maps.meta)
+    np.testing.assert_allclose(back.a[5], maps.a[5], rtol=1e-3, atol=1e-3)
+    assert np.array_equal(back.b[5], maps.b[5])
+
+
+def _assert_same_meta(got: MapFileMeta, want: MapFileMeta) -> None:
+    """Equal, with float metadata compared at float32 precision (how GGUF stores it)."""
+    from dataclasses import asdict
+
+    for k, v in asdict(want).items():
+        g = getattr(got, k)
+        if isinstance(v, float) or (isinstance(v, list) and v and isinstance(v[0], float)):
+            assert g == pytest.approx(v, rel=1e-6), k
+        else:
+            assert g == v, k
+
+
+def test_predict_applies_the_recorded_input_norm():
+    maps = _maps()
+    x = np.random.default_rng(1).standard_normal((3, 16)) * 50
+    phi = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(maps.predict(4, x), phi @ maps.a[4].T.astype(np.float64) + maps.b[4], rtol=1e-6)
+    maps.meta.objective = "raw"
+    np.testing.assert_allclose(maps.predict(4, x), x @ maps.a[4].T.astype(np.float64) + maps.b[4], rtol=1e-6)
+
+
+def test_write_refuses_existing_output_unless_overwrite(tmp_path):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="--force"):
+        write_map_file(p, _maps())
+    assert p.read_bytes() == b"precious"
+    write_map_file(p, _maps(), overwrite=True)
+    assert read_map_file(p).meta.split_layer == 3
+
+
+def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    import gguf
+
+    def boom(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        write_map_file(tmp_path / "m.gguf", _maps())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nan_maps_are_refused_on_write_and_on_read(tmp_path, monkeypatch):
+    bad = _maps()
+    bad.a[5][2, 3] = np.nan
+    with pytest.raises(MapFileError, match="layer 5: the map has NaN or Inf"):
+        write_map_file(tmp_path / "m.gguf", bad)
+    assert not (tmp_path / "m.gguf").exists()
+    monkeypatch.setattr(mapfile, "check_maps", lambda maps: None)  # write it anyway, to test the reader
+    p = write_map_file(tmp_path / "m.gguf", bad, dtype="f32")
+    monkeypatch.undo()
+    with pytest.raises(MapFileError, match="NaN or Inf"):
+        read_map_file(p)
+
+
+def test_corrupt_and_foreign_files(tmp_path, tiny_models):
+    good = write_map_file(tmp_path / "good.gguf", _maps())
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(MapFileError, match="truncated"):
+        read_map_file(cut)
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello")
+    with pytest.raises(MapFileError, match="not a GGUF file"):
+        read_map_file(text)
+    with pytest.raises(MapFileError, match="not a RidgeFill map file"):
+        read_map_file(tiny_models["llama"])  # a model, not maps
+
+
+def test_wrong_version_and_missing_tensor(tmp_path, monkeypatch):
+    maps = _maps()
+    maps.meta.format_version = 99
+    p = write_map_file(tmp_path / "v99.gguf", maps)
+    with pytest.raises(MapFileError, match="format version 99"):
+        read_map_file(p)
+    maps = _maps()
+    maps.meta.layers = [4]  # a file that lacks layer 5's map
+    monkeypatch.setattr(mapfile, "check_maps", lambda maps: None)
+    p = write_map_file(tmp_path / "short.gguf", maps)
+    monkeypatch.undo()
+    with pytest.raises(MapFileError, match=r"maps for layers \[4\], expected \[4, 5\]"):
+        read_map_file(p)
+
+
+def test_compatibility_with_models(tiny_models, tmp_path):
+    import make_tiny_models
+
+    llama = tiny_models["llama"]
+    fp = model_fingerprint(llama)
+    maps = _maps(n_embd=64, split=3, n_layer=6, fingerprint=fp)
+    assert mapfile.compatibility_problems(maps.meta, llama) == []
+    other_seed = make_tiny_models.make_tiny_model("llama", tmp_path / "llama-seed1.gguf", seed=1)
+    assert model_fingerprint(other_seed) != fp
+    (problem,) = mapfile.compatibility_problems(maps.meta, other_seed)
+    assert problem.startswith("fingerprint:") and "another checkpoint" in problem
+    problems = mapfile.compatibility_problems(maps.meta, tiny_models["gemma3"])
+    assert any(p.startswith("architecture: maps are for llama, the model is gemma3") for p in problems)
+    assert any(p.startswith("layers:") for p in problems)
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+def test_cli_fit_then_info(cli, tiny_models, tmp_path):
+    import shutil
+
+    model = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_models["qwen3"], model)
+    before = _sha(model)
+    res = cli("fit", model, "--tokens", 3000, "--ctx", 128)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "tiny.ridgefill.gguf"
+    assert out.is_file() and "wrote" in res.output and "identity rel. err" in res.output
+    assert _sha(model) == before
+    res = cli("info", out, "--model", model)
+    assert res.exit_code == 0, res.output
+    assert "the maps fit" in res.output and "split S" in res.output
+    res = cli("info", out, "--model", tiny_models["llama"])
+    assert res.exit_code == 1 and "do not fit" in res.output and "architecture" in res.output
+    res = cli("info", "--json", out)
+    assert res.exit_code == 0 and '"split_layer": 4' in res.output
+    # the output exists now: refused without --force, and left as it was
+    digest = _sha(out)
+    res = cli("fit", model, "--tokens", 3000, "--ctx", 128)
+    assert res.exit_code == 1 and "--force" in res.output
+    assert _sha(out) == digest
+    res = cli("fit", model, "--tokens", 3000, "--ctx", 128, "--split", 3, "--force", "--objective", "raw")
+    assert res.exit_code == 0, res.output
+    assert _sha(out) != digest
+
+
+def test_cli_fit_bad_inputs(cli, tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    cases = [
+        ((tmp_path / "nope.gguf",), "no such file"),
+        ((empty,), "not a GGUF file"),
+        ((model, tmp_path / "missing.txt", "-o", tmp_path / "o.gguf"), "no such file or directory"),
+        ((model, empty, "-o", tmp_path / "o.gguf"), "no calibration text found"),
+        ((model, "--split", 9, "-o", tmp_path / "o.gguf"), "split 9 outside 1..5"),
+        ((model, "--objective", "cosine", "-o", tmp_path / "o.gguf"), "--objective must be"),
+        ((model, "-o", tmp_path / "no-such-dir" / "o.gguf"), "not a writable directory"),
+        ((model, "-o", model), "the model file itself"),
+    ]
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only")
+    cases.append(((model, short, "-o", tmp_path / "o.gguf"), "too little calibration text"))
+    for args, message in cases:
+        res = cli("fit", *args)
+        assert res.exit_code == 1, (args, res.output)
+        assert message in res.output, (args, res.output)
+    assert not (tmp_path / "o.gguf").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary leftovers
+
+
+def test_cli_fit_output_parent_is_not_a_directory(cli, tiny_models, tmp_path):
+    parent = tmp_path / "a-file"
+    parent.write_text("x")
+    res = cli("fit", tiny_models["llama"], "-o", parent / "o.gguf")
+    assert res.exit_code == 1 and "not a writable directory" in res.output
+    assert parent.read_text() == "x"
