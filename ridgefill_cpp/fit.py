@@ -10,7 +10,7 @@ For a split S and every late layer l = S+1 .. L-1, fit ``x_l ≈ A_l φ(x_S) + b
    first tokens) carry the attention sink: their hidden states have huge outlier dimensions and
    would dominate a least-squares fit while saying nothing about ordinary rows. They are excluded
    from the statistics. (At run time such rows are rare; keeping them exact is the selector's job.)
-3. **Streaming statistics.** Every ``holdout_every``-th window is held out; all other rows update
+3. **Streaming statistics.** Every ``holdout_every``-th window (at least one) is held out; the others update
    float64 sums ``n, Σx, Σxxᵀ`` and, per layer, ``Σy, Σxyᵀ``. Memory does not grow with the
    number of calibration tokens: held-out rows are kept only up to ``max_heldout_rows``.
 4. **Objective.** ``normalized`` (default) fits on RMS-normalised states, φ(x) = x / rms(x), for
@@ -277,7 +277,9 @@ def fit_ridge_maps(
         per_window = cap.per_window
         rows_per_window = opt.ctx - opt.skip_rows
         n_windows = len(tokens) // per_window
-        n_train_windows = n_windows - n_windows // opt.holdout_every
+        # every k-th window is held out; with fewer than k windows, the last one
+        heldout = {w for w in range(n_windows) if (w + 1) % opt.holdout_every == 0} or {n_windows - 1}
+        n_train_windows = n_windows - len(heldout)
         needed = d + 1
         if n_windows < 2 or n_train_windows * rows_per_window < needed:
             raise FitError(
@@ -295,7 +297,7 @@ def fit_ridge_maps(
             t1 = time.perf_counter()
             timings.forward_s += t1 - t0
             x, ys = _objective_space(states, split, layers, normalize, eps)
-            if (w + 1) % opt.holdout_every == 0:
+            if w in heldout:
                 if n_held < opt.max_heldout_rows:
                     k = min(x.shape[0], opt.max_heldout_rows - n_held)
                     held_x.append(x[:k])

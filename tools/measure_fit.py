@@ -18,6 +18,43 @@ import time
 from pathlib import Path
 
 
+def measure_overhead(path, split=None, n_windows: int = 40, ctx: int = 512) -> dict:
+    """Capture + statistics vs a plain forward pass over the same windows, alternated window by window."""
+    import torch
+
+    from ridgefill_cpp import corpus
+    from ridgefill_cpp.capture import open_model
+    from ridgefill_cpp.fit import RidgeStatistics, _objective_space, _WindowCapture, calibration_tokens
+    from ridgefill_cpp.gguf_model import read_model_info
+
+    info = read_model_info(path)
+    split = info.default_split if split is None else split
+    layers = list(range(split + 1, info.n_layer))
+    cap = _WindowCapture(path, [split] + layers, ctx, None)
+    plain = open_model(path, n_ctx=ctx, n_batch=ctx)
+    try:
+        tokens = calibration_tokens(cap.llm, corpus.default_documents("calibration"), n_windows * cap.per_window)
+        stats = RidgeStatistics(info.n_embd, layers)
+        t_plain = t_fit = 0.0
+        for w in range(len(tokens) // cap.per_window):
+            window = tokens[w * cap.per_window:(w + 1) * cap.per_window]
+            t0 = time.perf_counter()
+            plain.reset()
+            plain.eval(cap.bos + window)
+            t1 = time.perf_counter()
+            states = cap.run(window, 4)
+            x, ys = _objective_space(states, split, layers, True, 1e-5)
+            stats.update(x, ys)
+            t2 = time.perf_counter()
+            t_plain += t1 - t0
+            t_fit += t2 - t1
+    finally:
+        cap.close()
+        plain.close()
+    return {"windows": len(tokens) // cap.per_window, "plain_forward_s": t_plain, "capture_and_statistics_s": t_fit,
+            "overhead": t_fit / t_plain - 1.0, "torch_threads": torch.get_num_threads()}
+
+
 def main(argv=None) -> int:
     from ridgefill_cpp import corpus, models
     from ridgefill_cpp.fit import FitOptions, evaluate_maps, fit_ridge_maps
@@ -31,10 +68,19 @@ def main(argv=None) -> int:
     ap.add_argument("--objective", action="append", choices=["normalized", "raw"])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--maps-dir", type=Path, default=None)
+    ap.add_argument("--overhead-windows", type=int, default=0,
+                    help="also time capture+statistics against a plain forward over this many windows")
     args = ap.parse_args(argv)
     path = Path(args.model) if Path(args.model).exists() else models.path(args.model)
     record = {"model": str(path), "runs": []}
-    for objective in args.objective or ["normalized", "raw"]:
+    if args.overhead_windows:
+        record["overhead"] = oh = measure_overhead(path, args.split, args.overhead_windows)
+        print(f"overhead over {oh['windows']} windows of 512 (alternated): plain forward {oh['plain_forward_s']:.1f} s, "
+              f"capture + statistics {oh['capture_and_statistics_s']:.1f} s: +{100 * oh['overhead']:.1f}%")
+        sys.stdout.flush()
+        if not args.objective:
+            args.objective = []
+    for objective in (["normalized", "raw"] if args.objective is None else args.objective):
         t0 = time.perf_counter()
         res = fit_ridge_maps(path, corpus.default_documents("calibration"),
                              FitOptions(split=args.split, objective=objective, n_tokens=args.tokens),
