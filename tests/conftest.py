@@ -54,3 +54,21 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_models.make_tiny_model(arch, root / f"tiny-{arch}.gguf", seed=0)
             for arch in make_tiny_models.ARCHS}
+
+
+@pytest.fixture
+def unsupported_model(tmp_path) -> Path:
+    """A minimal GGUF of an architecture RidgeFill does not support (gpt2)."""
+    import gguf
+    import numpy as np
+
+    p = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(p, "gpt2")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return p

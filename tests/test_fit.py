@@ -134,14 +134,6 @@ def test_split_out_of_range(tiny_models, split):
         fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"), FitOptions(split=split))
 
 
-def test_unsupported_architecture(tmp_path):
-    import gguf
-
-    p = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(p, "gpt2")
-    w.add_block_count(2)
-    w.add_embedding_length(8)
-    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+def test_unsupported_architecture(unsupported_model):
     with pytest.raises(FitError, match="'gpt2' is not supported .*llama, qwen3, gemma3, qwen35"):
-        fit_ridge_maps(p, [], FitOptions())
+        fit_ridge_maps(unsupported_model, [], FitOptions())

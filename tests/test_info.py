@@ -100,3 +100,10 @@ def test_info_empty_file(cli, tmp_path):
     p.write_bytes(b"")
     res = cli("info", p)
     assert res.exit_code == 1 and "not a GGUF file" in res.output
+
+
+def test_info_says_when_an_architecture_is_unsupported(cli, unsupported_model):
+    res = cli("info", unsupported_model)
+    assert res.exit_code == 0, res.output
+    assert "no (supported: llama, qwen3, gemma3, qwen35)" in res.output
+    assert read_model_info(unsupported_model).supported is False

@@ -192,7 +192,7 @@ def test_cli_fit_then_info(cli, tiny_models, tmp_path):
     assert _sha(out) != digest
 
 
-def test_cli_fit_bad_inputs(cli, tiny_models, tmp_path):
+def test_cli_fit_bad_inputs(cli, tiny_models, tmp_path, unsupported_model):
     model = tiny_models["llama"]
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")
@@ -209,15 +209,7 @@ def test_cli_fit_bad_inputs(cli, tiny_models, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("a few words only")
     cases.append(((model, short, "-o", tmp_path / "o.gguf"), "too little calibration text"))
-    import gguf
-
-    gpt2 = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(gpt2, "gpt2")
-    w.add_block_count(2)
-    w.add_embedding_length(8)
-    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    cases.append(((gpt2, "-o", tmp_path / "o.gguf"), "architecture 'gpt2' is not supported"))
+    cases.append(((unsupported_model, "-o", tmp_path / "o.gguf"), "architecture 'gpt2' is not supported"))
     for args, message in cases:
         res = cli("fit", *args)
         assert res.exit_code == 1, (args, res.output)
