@@ -9,6 +9,13 @@ DESIGN §4) can be checked against it. The layer structure is explicit: a layer'
     out = load_oracle("model.gguf").forward(tokens)
     out.layer_inputs  # [n_layer, n_tokens, n_embd]
     out.logits        # [n_tokens, n_vocab]
+
+RidgeFill's filled-row prefill (DESIGN §4) and the attention selector (§5) on top of an oracle,
+the reference the C++ implementation is checked against, are in :mod:`.fill`::
+
+    from ridgefill_cpp.oracle.fill import fill_forward, select_attention_rows
+    rows = select_attention_rows(oracle, tokens, split=S, tail=T)
+    out = fill_forward(oracle, tokens, split=S, maps=maps, tail=T, exact_positions=rows)
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 
 from .common import Oracle, OracleOutput
 from .dense import DENSE_ARCHITECTURES, DenseOracle
+from .fill import FillOutput, fill_forward
 
 #: general.architecture values an oracle exists for
 SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35")
@@ -57,8 +65,10 @@ def load_oracle(path: os.PathLike | str, dtype: torch.dtype = torch.float32, **o
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DenseOracle",
+    "FillOutput",
     "Oracle",
     "OracleOutput",
+    "fill_forward",
     "load_oracle",
     "oracle_class",
 ]

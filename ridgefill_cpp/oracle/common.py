@@ -101,6 +101,15 @@ class Oracle(ABC):
     @abstractmethod
     def n_layer(self) -> int: ...
 
+    def is_recurrent(self, il: int) -> bool:
+        """Whether layer `il` is a recurrent (Gated DeltaNet) layer, i.e. has no KV cache."""
+        return False
+
+    def attention_window(self, il: int) -> int:
+        """Layer `il`'s sliding attention window (0: full attention; keys at q_pos - window or
+        further back are invisible). Meaningless for a recurrent layer."""
+        return 0
+
     @abstractmethod
     def forward(self, tokens: Sequence[int], *, last_only: bool = False) -> OracleOutput:
         """Run `tokens` (positions 0..n-1) through every layer; see :class:`OracleOutput`."""
@@ -179,6 +188,25 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) ->
     return allowed
 
 
+def _kv_group(n_head: int, n_head_kv: int) -> int:
+    if n_head % n_head_kv:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+    return n_head // n_head_kv
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention probabilities ``[n_head, n_q, n_k]``: ``softmax(q kᵀ · scale + mask)``.
+
+    ``q [n_q, n_head, d]``, ``k [n_k, n_head_kv, d]``; query head h reads KV head
+    ``h // (n_head / n_head_kv)`` (ggml's broadcast in mul_mat). Each query row's probabilities
+    over the keys it may see sum to 1 per head (RidgeFill's attention selector sums them).
+    """
+    k = k.repeat_interleave(_kv_group(q.shape[1], k.shape[1]), dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~allowed[None, :, :], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               scale: float) -> torch.Tensor:
     """Softmax attention with grouped-query heads.
@@ -186,15 +214,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     ``q [n_q, n_head, d]``, ``k``/``v`` ``[n_k, n_head_kv, d]``; query head h reads KV head
     ``h // (n_head / n_head_kv)`` (ggml's broadcast in mul_mat). Returns ``[n_q, n_head * d_v]``.
     """
-    n_head, n_head_kv = q.shape[1], k.shape[1]
-    if n_head % n_head_kv:
-        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
-    group = n_head // n_head_kv
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    scores = scores.masked_fill(~allowed[None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = attention_probs(q, k, allowed, scale)
+    v = v.repeat_interleave(_kv_group(q.shape[1], v.shape[1]), dim=1)
     out = torch.einsum("hqk,khd->qhd", probs, v)
     return out.reshape(out.shape[0], -1)
 

@@ -40,6 +40,7 @@ from .common import (
     apply_rope,
     attention,
     attention_mask,
+    attention_probs,
     gelu_tanh,
     gelu_tanh_ggml_cpu,
     linear,
@@ -243,6 +244,17 @@ class DenseOracle(Oracle):
     def n_layer(self) -> int:
         return self.hp.n_layer
 
+    @property
+    def n_head(self) -> int:
+        return self.hp.n_head
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.hp.n_head_kv
+
+    def attention_window(self, il: int) -> int:
+        return self.hp.window[il]
+
     # -- pieces of a layer ------------------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -302,6 +314,15 @@ class DenseOracle(Oracle):
         out = attention(q, k, v, allowed, hp.attn_scale)
         return linear(out, L.wo, L.bo)
 
+    def attention_weights(self, il: int, x_q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
+                          k_positions: torch.Tensor) -> torch.Tensor:
+        """The attention probabilities ``[n_head, n_q, n_k]`` of query rows with input `x_q` over
+        the cache keys `k` (what :meth:`attend` weights the values with)."""
+        h = rms_norm(x_q.to(self.dtype), self.layers[il].attn_norm, self.hp.rms_eps)
+        q = self.q_path(il, h, q_positions)
+        allowed = attention_mask(q_positions, k_positions, self.hp.window[il])
+        return attention_probs(q, k, allowed, self.hp.attn_scale)
+
     def ffn(self, il: int, x_mid: torch.Tensor) -> torch.Tensor:
         """The feed-forward block on the post-attention residual (norm → gated MLP → post-norm)."""
         L, hp = self.layers[il], self.hp
@@ -317,22 +338,31 @@ class DenseOracle(Oracle):
             f = rms_norm(f, L.ffn_post_norm, hp.rms_eps)
         return f
 
+    def layer_over_cache(self, il: int, x_in: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """Layer `il` for query rows `x_in` at `positions` attending to the cache rows (k, v) at
+        `k_positions`: everything of the layer but the K/V path. Returns the rows' ``x_out``.
+
+        :meth:`layer_forward` is this over the rows' own K/V; RidgeFill's exact rows run it over
+        a cache that also holds filled rows.
+        """
+        L, hp = self.layers[il], self.hp
+        h = rms_norm(x_in, L.attn_norm, hp.rms_eps)
+        q = self.q_path(il, h, positions)
+        a = self.attend(il, q, positions, k, v, k_positions)
+        if L.attn_post_norm is not None:
+            a = rms_norm(a, L.attn_post_norm, hp.rms_eps)
+        x_mid = x_in + a
+        return x_mid + self.ffn(il, x_mid)
+
     def layer_forward(self, il: int, x_in: torch.Tensor, positions: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run layer `il` exactly on rows `x_in` (all attending to each other causally).
 
         Returns ``(x_out, K, V)``: the next layer's input and the rows' KV cache entries.
         """
-        L, hp = self.layers[il], self.hp
-        h = rms_norm(x_in, L.attn_norm, hp.rms_eps)
-        q = self.q_path(il, h, positions)
-        k, v = self.kv_from_normed(il, h, positions)
-        a = self.attend(il, q, positions, k, v, positions)
-        if L.attn_post_norm is not None:
-            a = rms_norm(a, L.attn_post_norm, hp.rms_eps)
-        x_mid = x_in + a
-        x_out = x_mid + self.ffn(il, x_mid)
-        return x_out, k, v
+        k, v = self.kv_path(il, x_in, positions)
+        return self.layer_over_cache(il, x_in, positions, k, v, positions), k, v
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output head on residual rows `x`: output_norm → output → (gemma3) softcap."""

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .common import (ROPE_NEOX, Oracle, OracleOutput, apply_rope, attention, attention_mask, linear,
-                     rms_norm, silu)
+from .common import (ROPE_NEOX, Oracle, OracleOutput, apply_rope, attention, attention_mask,
+                     attention_probs, linear, rms_norm, silu)
 
 ARCH = "qwen35"
 
@@ -304,6 +304,17 @@ def attn_kv(lw: dict[str, torch.Tensor], cfg: Qwen35Config, u: torch.Tensor,
     return apply_rope(k, angles, ROPE_NEOX), v
 
 
+def attn_q(lw: dict[str, torch.Tensor], cfg: Qwen35Config, u: torch.Tensor,
+           angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query side of gated attention from normalised rows ``u``: ``attn_q`` rows are
+    ``[q_h | gate_h]`` per head; Q gets its RMS norm and RoPE, the gate not.
+    Returns (Q [T, n_head, head_dim], gate [T, n_head * head_dim] before the sigmoid)."""
+    T, hd, nh = u.shape[0], cfg.head_dim, cfg.n_head
+    qg = linear(u, lw["attn_q.weight"]).reshape(T, nh, 2, hd)
+    q = apply_rope(rms_norm(qg[:, :, 0], lw["attn_q_norm.weight"], cfg.rms_eps), angles, ROPE_NEOX)
+    return q, qg[:, :, 1].reshape(T, nh * hd)
+
+
 def attn_output(lw: dict[str, torch.Tensor], cfg: Qwen35Config, u: torch.Tensor, angles: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                 kv_f16: bool = False) -> torch.Tensor:
@@ -314,10 +325,8 @@ def attn_output(lw: dict[str, torch.Tensor], cfg: Qwen35Config, u: torch.Tensor,
     ``kv_f16`` rounds K and V to fp16 first, as llama.cpp's flash-attention path does (it casts an
     F32 cache to F16 before ``ggml_flash_attn_ext``) and as an F16 cache stores them.
     """
-    T, hd, nh = u.shape[0], cfg.head_dim, cfg.n_head
-    qg = linear(u, lw["attn_q.weight"]).reshape(T, nh, 2, hd)
-    q = apply_rope(rms_norm(qg[:, :, 0], lw["attn_q_norm.weight"], cfg.rms_eps), angles, ROPE_NEOX)
-    gate = qg[:, :, 1].reshape(T, nh * hd)
+    hd = cfg.head_dim
+    q, gate = attn_q(lw, cfg, u, angles)
     if kv_f16:
         k = k.to(torch.float16).to(q.dtype)
         v = v.to(torch.float16).to(q.dtype)
@@ -407,6 +416,17 @@ class Qwen35Oracle(Oracle):
     def n_layer(self) -> int:
         return self.cfg.n_layer
 
+    @property
+    def n_head(self) -> int:
+        return self.cfg.n_head
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.cfg.n_head_kv
+
+    def is_recurrent(self, il: int) -> bool:
+        return self.cfg.is_recurrent(il)
+
     # -- pieces usable on their own -------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -448,6 +468,37 @@ class Qwen35Oracle(Oracle):
         y = linear(silu(linear(y, lw["ffn_gate.weight"])) * linear(y, lw["ffn_up.weight"]), lw["ffn_down.weight"])
         return h + y
 
+    def layer_over_cache(self, il: int, x_in: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """Full-attention layer ``il`` for query rows ``x_in`` at ``positions`` attending to the
+        cache rows (k, v) at ``k_positions``: everything of the layer but the K/V path (gated Q,
+        attention, output projection, FFN). Returns the rows' ``x_out``."""
+        if self.cfg.is_recurrent(il):
+            raise ValueError(f"layer {il} is a Gated DeltaNet layer: it has no KV cache")
+        u = self.attn_norm(il, x_in)
+        mix = attn_output(self.layers[il], self.cfg, u, self.angles(positions), k, v, positions, k_positions,
+                          self.kv_f16)
+        return self.ffn_block(il, x_in + mix)
+
+    def gdn_layer_output(self, il: int, x_in: torch.Tensor, upd: GDNUpdate,
+                         rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """GDN layer ``il``'s output ``x_out`` for ``rows`` (default: all) of the run ``x_in`` whose
+        state update is ``upd`` (:meth:`gdn_update` with ``keep_row_states=True`` on the same
+        ``x_in``): readout, gated norm, ``ssm_out``, residual and FFN."""
+        idx = torch.arange(x_in.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+        mix = gdn_output(self.layers[il], self.cfg, self.attn_norm(il, x_in), upd, idx)
+        return self.ffn_block(il, x_in[idx] + mix)
+
+    def attention_weights(self, il: int, x_q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
+                          k_positions: torch.Tensor) -> torch.Tensor:
+        """The attention probabilities ``[n_head, n_q, n_k]`` of a full-attention layer's query
+        rows with input ``x_q`` over the cache keys ``k`` (the gate is applied after them)."""
+        if self.cfg.is_recurrent(il):
+            raise ValueError(f"layer {il} is a Gated DeltaNet layer: it has no attention")
+        q, _gate = attn_q(self.layers[il], self.cfg, self.attn_norm(il, x_q), self.angles(q_positions))
+        k = k.to(torch.float16).to(q.dtype) if self.kv_f16 else k
+        return attention_probs(q, k, attention_mask(q_positions, k_positions), 1.0 / math.sqrt(self.cfg.head_dim))
+
     def layer_forward(self, il: int, x_in: torch.Tensor, positions: torch.Tensor,
                       state: GDNState | None = None
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | GDNState]:
@@ -456,17 +507,11 @@ class Qwen35Oracle(Oracle):
         Returns ``(x_out, kv)`` for a full-attention layer (``kv`` = (K, V)) and
         ``(x_out, final GDN state)`` for a GDN layer (``state`` = the state before the rows).
         """
-        c, lw = self.cfg, self.layers[il]
-        u = self.attn_norm(il, x_in)
-        if c.is_recurrent(il):
-            state = GDNState.zeros(c, self.dtype) if state is None else state
-            upd = gdn_state_update(lw, c, u, state, keep_row_states=True)
-            mix = gdn_output(lw, c, u, upd)
-            return self.ffn_block(il, x_in + mix), upd.state
-        angles = self.angles(positions)
-        k, v = attn_kv(lw, c, u, angles)
-        mix = attn_output(lw, c, u, angles, k, v, positions, positions, self.kv_f16)
-        return self.ffn_block(il, x_in + mix), (k, v)
+        if self.cfg.is_recurrent(il):
+            upd = self.gdn_update(il, x_in, state, keep_row_states=True)
+            return self.gdn_layer_output(il, x_in, upd), upd.state
+        k, v = self.kv_path(il, x_in, positions)
+        return self.layer_over_cache(il, x_in, positions, k, v, positions), (k, v)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(x, self.output_norm, self.cfg.rms_eps), self.output)
