@@ -112,3 +112,56 @@ def build_info() -> dict:
     server = BIN_DIR / "llama-server"
     info["llama_server"] = str(server) if server.is_file() else None
     return info
+
+
+# struct llama_ridgefill_maps_params { int32_t split_layer; bool host; };
+class llama_ridgefill_maps_params(ctypes.Structure):
+    _fields_ = [("split_layer", ctypes.c_int32), ("host", ctypes.c_bool)]
+
+
+llama_ridgefill_maps_p = ctypes.c_void_p
+
+
+# LLAMA_API struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void);
+@ctypes_function("llama_ridgefill_maps_default_params", [], llama_ridgefill_maps_params)
+def llama_ridgefill_maps_default_params() -> llama_ridgefill_maps_params: ...
+
+
+# LLAMA_API struct llama_ridgefill_maps * llama_ridgefill_maps_init(const struct llama_model * model, const char * path,
+#                                                                  struct llama_ridgefill_maps_params params);
+@ctypes_function("llama_ridgefill_maps_init", [_llama.llama_model_p_ctypes, ctypes.c_char_p, llama_ridgefill_maps_params],
+                 llama_ridgefill_maps_p)
+def llama_ridgefill_maps_init(model, path: bytes, params: llama_ridgefill_maps_params, /): ...
+
+
+# LLAMA_API void llama_ridgefill_maps_free(struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_free", [llama_ridgefill_maps_p], None)
+def llama_ridgefill_maps_free(maps, /) -> None: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_maps_split_layer(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_split_layer", [llama_ridgefill_maps_p], ctypes.c_int32)
+def llama_ridgefill_maps_split_layer(maps, /) -> int: ...
+
+
+# LLAMA_API const char * llama_ridgefill_maps_fingerprint(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_fingerprint", [llama_ridgefill_maps_p], ctypes.c_char_p)
+def llama_ridgefill_maps_fingerprint(maps, /) -> bytes: ...
+
+
+# LLAMA_API uint64_t llama_ridgefill_maps_n_bytes(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_n_bytes", [llama_ridgefill_maps_p], ctypes.c_uint64)
+def llama_ridgefill_maps_n_bytes(maps, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_maps_predict(const struct llama_ridgefill_maps * maps, int32_t il,
+#                                                const float * xs, int32_t n_rows, float * out);
+@ctypes_function("llama_ridgefill_maps_predict",
+                 [llama_ridgefill_maps_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32,
+                  ctypes.POINTER(ctypes.c_float)], ctypes.c_int32)
+def llama_ridgefill_maps_predict(maps, il: int, xs, n_rows: int, out, /) -> int: ...
+
+
+# LLAMA_API const char * llama_ridgefill_last_error(void);
+@ctypes_function("llama_ridgefill_last_error", [], ctypes.c_char_p)
+def llama_ridgefill_last_error() -> bytes: ...

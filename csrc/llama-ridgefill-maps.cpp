@@ -1,0 +1,355 @@
+// Loading RidgeFill map files (GGUF side tensors, DESIGN §7) into backend buffers, modelled on the
+// LoRA adapter loader (src/llama-adapter.cpp): metadata first, then one ggml context per buffer
+// type, then raw reads. Everything that does not match the model is refused with a message.
+
+#include "llama-ridgefill-maps.h"
+
+#include "llama-arch.h"
+#include "llama-impl.h"
+#include "llama-mmap.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+#include "gguf.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+static thread_local std::string g_ridgefill_last_error;
+
+void llama_ridgefill_set_error(const char * func, const std::string & msg) {
+    g_ridgefill_last_error = msg;
+    LLAMA_LOG_ERROR("%s: %s\n", func, msg.c_str());
+}
+
+const char * llama_ridgefill_last_error(void) {
+    return g_ridgefill_last_error.c_str();
+}
+
+size_t llama_ridgefill_maps::n_bytes() const {
+    size_t n = 0;
+    for (const auto & buf : bufs) {
+        n += ggml_backend_buffer_get_size(buf.get());
+    }
+    return n;
+}
+
+ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs) {
+    if (maps == nullptr || il <= maps->split_layer || maps->a[il] == nullptr) {
+        return xs; // identity fill (and l = S, where x_S is the layer's exact input)
+    }
+    ggml_tensor * x = xs;
+    if (maps->normalized) {
+        x = ggml_rms_norm(ctx0, x, maps->norm_eps);
+    }
+    x = ggml_mul_mat(ctx0, maps->a[il], x);
+    x = ggml_add(ctx0, x, maps->b[il]);
+    return x;
+}
+
+static const char * RIDGEFILL_ADAPTER_TYPE = "ridgefill";
+static const uint32_t RIDGEFILL_FORMAT_VERSION = 1;
+
+namespace {
+
+// typed metadata access with errors that name the key
+struct gguf_meta {
+    const gguf_context * ctx;
+    std::string path;
+
+    int64_t find(const char * key, bool required = true) const {
+        const int64_t id = gguf_find_key(ctx, key);
+        if (id < 0 && required) {
+            throw std::runtime_error(format("%s: missing metadata key %s", path.c_str(), key));
+        }
+        return id;
+    }
+
+    std::string str(const char * key, bool required = true) const {
+        const int64_t id = find(key, required);
+        if (id < 0) {
+            return "";
+        }
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_STRING) {
+            throw std::runtime_error(format("%s: metadata key %s is not a string", path.c_str(), key));
+        }
+        return gguf_get_val_str(ctx, id);
+    }
+
+    uint32_t u32(const char * key) const {
+        const int64_t id = find(key);
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_UINT32) {
+            throw std::runtime_error(format("%s: metadata key %s is not a uint32", path.c_str(), key));
+        }
+        return gguf_get_val_u32(ctx, id);
+    }
+
+    float f32(const char * key) const {
+        const int64_t id = find(key);
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_FLOAT32) {
+            throw std::runtime_error(format("%s: metadata key %s is not a float32", path.c_str(), key));
+        }
+        return gguf_get_val_f32(ctx, id);
+    }
+
+    std::vector<int32_t> i32_array(const char * key) const {
+        const int64_t id = find(key);
+        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, id) != GGUF_TYPE_INT32) {
+            throw std::runtime_error(format("%s: metadata key %s is not an int32 array", path.c_str(), key));
+        }
+        const auto * data = (const int32_t *) gguf_get_arr_data(ctx, id);
+        return std::vector<int32_t>(data, data + gguf_get_arr_n(ctx, id));
+    }
+};
+
+// the maps' values must be finite: a NaN would silently poison every filled row
+static void check_finite(const ggml_tensor * t, const uint8_t * data) {
+    const int64_t n = ggml_nelements(t);
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = t->type == GGML_TYPE_F16 ? ggml_fp16_to_fp32(((const ggml_fp16_t *) data)[i]) : ((const float *) data)[i];
+        if (!std::isfinite(v)) {
+            throw std::runtime_error(format("tensor %s has a non-finite value (%f) at element %lld", t->name, v, (long long) i));
+        }
+    }
+}
+
+} // namespace
+
+static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * path, const llama_ridgefill_maps_params & params) {
+    const llama_model & model = maps.model;
+
+    ggml_context * ctx_init = nullptr;
+    gguf_init_params meta_params = {
+        /* .no_alloc = */ true,
+        /* .ctx      = */ &ctx_init,
+    };
+    gguf_context_ptr ctx_gguf { gguf_init_from_file(path, meta_params) };
+    if (!ctx_gguf) {
+        throw std::runtime_error(format("%s: not a readable GGUF file (missing, truncated or corrupt)", path));
+    }
+    ggml_context_ptr ctx_meta { ctx_init };
+
+    // metadata: what the file is, and for which model
+    const gguf_meta meta { ctx_gguf.get(), path };
+    const std::string general_type = meta.str("general.type", false);
+    const std::string adapter_type = meta.str("adapter.type", false);
+    if (general_type != "adapter" || adapter_type != RIDGEFILL_ADAPTER_TYPE) {
+        throw std::runtime_error(format("%s: not a RidgeFill map file (general.type = '%s', adapter.type = '%s'; expected 'adapter', '%s')",
+                path, general_type.c_str(), adapter_type.c_str(), RIDGEFILL_ADAPTER_TYPE));
+    }
+    const uint32_t version = meta.u32("ridgefill.format_version");
+    if (version != RIDGEFILL_FORMAT_VERSION) {
+        throw std::runtime_error(format("%s: map file format version %u, this build reads version %u", path, version, RIDGEFILL_FORMAT_VERSION));
+    }
+    const std::string arch = meta.str("general.architecture");
+    if (llm_arch_from_string(arch) != model.arch) {
+        throw std::runtime_error(format("%s: maps are for architecture %s, the model is %s", path, arch.c_str(), llm_arch_name(model.arch)));
+    }
+    const int32_t n_layer = (int32_t) model.hparams.n_layer();
+    const int32_t n_embd  = (int32_t) model.hparams.n_embd;
+    maps.n_layer     = (int32_t) meta.u32("ridgefill.n_layer");
+    maps.n_embd      = (int32_t) meta.u32("ridgefill.n_embd");
+    maps.split_layer = (int32_t) meta.u32("ridgefill.split_layer");
+    if (maps.n_layer != n_layer || maps.n_embd != n_embd) {
+        throw std::runtime_error(format("%s: maps are for %d layers and n_embd %d, the model has %d layers and n_embd %d",
+                path, maps.n_layer, maps.n_embd, n_layer, n_embd));
+    }
+    if (maps.split_layer < 1 || maps.split_layer > n_layer - 2) {
+        throw std::runtime_error(format("%s: split layer %d outside 1..%d", path, maps.split_layer, n_layer - 2));
+    }
+    if (params.split_layer >= 0 && params.split_layer != maps.split_layer) {
+        throw std::runtime_error(format("%s: the maps were fitted for split %d, not the requested split %d", path, maps.split_layer, params.split_layer));
+    }
+    maps.objective = meta.str("ridgefill.objective");
+    const std::string input_norm = meta.str("ridgefill.input_norm");
+    if (!((maps.objective == "normalized" && input_norm == "rms") || (maps.objective == "raw" && input_norm == "none"))) {
+        throw std::runtime_error(format("%s: unknown objective / input norm '%s' / '%s'", path, maps.objective.c_str(), input_norm.c_str()));
+    }
+    maps.normalized  = input_norm == "rms";
+    maps.norm_eps    = meta.f32("ridgefill.input_norm_eps");
+    maps.fingerprint = meta.str("ridgefill.model.fingerprint");
+
+    const std::vector<int32_t> layers = meta.i32_array("ridgefill.layers");
+    std::vector<int32_t> expected;
+    for (int32_t il = maps.split_layer + 1; il < n_layer; ++il) {
+        expected.push_back(il);
+    }
+    if (layers != expected) {
+        throw std::runtime_error(format("%s: the file lists %zu mapped layers, expected layers %d..%d", path, layers.size(), maps.split_layer + 1, n_layer - 1));
+    }
+
+    // tensors: exactly one A and one b per mapped layer, of the right shape and type
+    const int64_t n_tensors = gguf_get_n_tensors(ctx_gguf.get());
+    if (n_tensors != 2 * (int64_t) expected.size()) {
+        throw std::runtime_error(format("%s: %lld tensors, expected %zu (A and b for each of layers %d..%d)",
+                path, (long long) n_tensors, 2 * expected.size(), maps.split_layer + 1, n_layer - 1));
+    }
+    maps.a.assign(n_layer, nullptr);
+    maps.b.assign(n_layer, nullptr);
+
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_map;
+    auto ctx_for_buft = [&](ggml_backend_buffer_type_t buft) -> ggml_context * {
+        auto it = ctx_map.find(buft);
+        if (it != ctx_map.end()) {
+            return it->second;
+        }
+        ggml_init_params ip = {
+            /*.mem_size   =*/ (size_t) n_tensors * ggml_tensor_overhead(),
+            /*.mem_buffer =*/ NULL,
+            /*.no_alloc   =*/ true,
+        };
+        ggml_context * c = ggml_init(ip);
+        if (!c) {
+            throw std::runtime_error("failed to create a ggml context for the maps");
+        }
+        ctx_map[buft] = c;
+        maps.ctxs.emplace_back(c);
+        return c;
+    };
+
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load; // (file tensor, device tensor)
+    for (int32_t il : expected) {
+        for (const bool is_a : { true, false }) {
+            const std::string name = format(is_a ? "blk.%d.ridgefill_a.weight" : "blk.%d.ridgefill_b.bias", il);
+            ggml_tensor * t = ggml_get_tensor(ctx_meta.get(), name.c_str());
+            if (t == nullptr) {
+                throw std::runtime_error(format("%s: missing tensor %s", path, name.c_str()));
+            }
+            const bool shape_ok = is_a
+                ? (t->ne[0] == n_embd && t->ne[1] == n_embd && ggml_n_dims(t) == 2)
+                : (t->ne[0] == n_embd && ggml_n_dims(t) == 1);
+            const bool type_ok = is_a ? (t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32) : t->type == GGML_TYPE_F32;
+            if (!shape_ok || !type_ok) {
+                throw std::runtime_error(format("%s: tensor %s is %s [%lld, %lld], expected %s [%d%s]", path, name.c_str(),
+                        ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1],
+                        is_a ? "F16/F32" : "F32", n_embd, is_a ? format(", %d", n_embd).c_str() : ""));
+            }
+            // placement: with the layer's weights (resident), or in host memory for streaming
+            ggml_backend_dev_t dev = model.dev_layer(il);
+            ggml_backend_buffer_type_t buft = nullptr;
+            if (params.host) {
+                buft = ggml_backend_dev_host_buffer_type(dev);
+            }
+            if (buft == nullptr) {
+                buft = ggml_backend_dev_buffer_type(dev);
+            }
+            ggml_tensor * dst = ggml_dup_tensor(ctx_for_buft(buft), t);
+            ggml_set_name(dst, t->name);
+            (is_a ? maps.a : maps.b)[il] = dst;
+            to_load.emplace_back(t, dst);
+        }
+    }
+
+    for (auto & it : ctx_map) {
+        ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors_from_buft(it.second, it.first) };
+        if (!buf) {
+            throw std::runtime_error(format("failed to allocate a %s buffer for the maps", ggml_backend_buft_name(it.first)));
+        }
+        // weights usage: the scheduler's op offload then streams host-resident maps to the accelerator
+        ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        maps.bufs.emplace_back(std::move(buf));
+    }
+    maps.host = params.host;
+
+    llama_file file(path, "rb");
+    std::vector<uint8_t> data;
+    for (auto & [src, dst] : to_load) {
+        const size_t offs = gguf_get_data_offset(ctx_gguf.get()) + gguf_get_tensor_offset(ctx_gguf.get(), gguf_find_tensor(ctx_gguf.get(), src->name));
+        const size_t size = ggml_nbytes(src);
+        if (offs + size < offs || offs + size > file.size()) {
+            throw std::runtime_error(format("%s: tensor %s runs past the end of the file (truncated?)", path, src->name));
+        }
+        data.resize(size);
+        file.seek(offs, SEEK_SET);
+        file.read_raw(data.data(), size);
+        try {
+            check_finite(src, data.data());
+        } catch (const std::exception & e) {
+            throw std::runtime_error(format("%s: %s", path, e.what()));
+        }
+        ggml_backend_tensor_set(dst, data.data(), 0, size);
+    }
+
+    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s) from %s, %.2f MiB\n", __func__,
+            maps.split_layer + 1, n_layer - 1, maps.split_layer, maps.objective.c_str(), path, maps.n_bytes() / 1024.0 / 1024.0);
+}
+
+struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void) {
+    llama_ridgefill_maps_params p = {
+        /*.split_layer =*/ -1,
+        /*.host        =*/ false,
+    };
+    return p;
+}
+
+struct llama_ridgefill_maps * llama_ridgefill_maps_init(const struct llama_model * model, const char * path, struct llama_ridgefill_maps_params params) {
+    if (model == nullptr || path == nullptr) {
+        llama_ridgefill_set_error(__func__, "model and path are required");
+        return nullptr;
+    }
+    auto maps = std::make_unique<llama_ridgefill_maps>(*model);
+    try {
+        llama_ridgefill_maps_load(*maps, path, params);
+    } catch (const std::exception & e) {
+        llama_ridgefill_set_error(__func__, e.what());
+        return nullptr;
+    }
+    g_ridgefill_last_error.clear();
+    return maps.release();
+}
+
+void llama_ridgefill_maps_free(struct llama_ridgefill_maps * maps) {
+    delete maps;
+}
+
+int32_t llama_ridgefill_maps_split_layer(const struct llama_ridgefill_maps * maps) {
+    return maps->split_layer;
+}
+
+const char * llama_ridgefill_maps_fingerprint(const struct llama_ridgefill_maps * maps) {
+    return maps->fingerprint.c_str();
+}
+
+uint64_t llama_ridgefill_maps_n_bytes(const struct llama_ridgefill_maps * maps) {
+    return maps->n_bytes();
+}
+
+int32_t llama_ridgefill_maps_predict(const struct llama_ridgefill_maps * maps, int32_t il, const float * xs, int32_t n_rows, float * out) {
+    if (maps == nullptr || il < maps->split_layer || il >= maps->n_layer || n_rows <= 0) {
+        llama_ridgefill_set_error(__func__, format("layer %d outside %d..%d or no rows", il, maps ? maps->split_layer : -1, maps ? maps->n_layer - 1 : -1));
+        return -1;
+    }
+    if (maps->a[il] && !ggml_backend_buffer_is_host(maps->a[il]->buffer)) {
+        llama_ridgefill_set_error(__func__, "maps are not in host memory");
+        return -1;
+    }
+    const int64_t n_embd = maps->n_embd;
+    ggml_init_params ip = {
+        /*.mem_size   =*/ 16 * ggml_tensor_overhead() + ggml_graph_overhead(),
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context_ptr ctx { ggml_init(ip) };
+    ggml_tensor * x = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, n_embd, n_rows);
+    ggml_tensor * y = ggml_cont(ctx.get(), llama_ridgefill_build_xhat(ctx.get(), maps, il, x));
+    ggml_cgraph * gf = ggml_new_graph(ctx.get());
+    ggml_build_forward_expand(gf, y);
+
+    ggml_backend_ptr backend { ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr) };
+    if (!backend) {
+        llama_ridgefill_set_error(__func__, "no CPU backend");
+        return -1;
+    }
+    ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors(ctx.get(), backend.get()) };
+    ggml_backend_tensor_set(x, xs, 0, ggml_nbytes(x));
+    if (ggml_backend_graph_compute(backend.get(), gf) != GGML_STATUS_SUCCESS) {
+        llama_ridgefill_set_error(__func__, "graph compute failed");
+        return -1;
+    }
+    ggml_backend_tensor_get(y, out, 0, ggml_nbytes(y));
+    return 0;
+}

@@ -1,0 +1,44 @@
+// RidgeFill maps inside libllama: the loaded side tensors of a map file (DESIGN §7) and the graph
+// step that turns split-layer states into predicted late-layer inputs.
+#pragma once
+
+#include "llama-ridgefill.h"
+
+#include "ggml-cpp.h"
+
+#include <string>
+#include <vector>
+
+struct llama_model;
+
+// loaded maps, a sibling of llama_adapter_lora / llama_adapter_cvec: owns its contexts and buffers
+struct llama_ridgefill_maps {
+    const llama_model & model;
+
+    int32_t n_layer     = 0;
+    int32_t n_embd      = 0;
+    int32_t split_layer = 0;     // S: maps exist for layers S+1 .. n_layer-1
+    bool    normalized  = true;  // phi = RMS normalisation (objective "normalized"), else identity
+    float   norm_eps    = 1e-6f;
+    bool    host        = false; // placement: false = with the layer's weights
+
+    std::string objective;
+    std::string fingerprint;     // of the model the maps were fitted on (checked by the caller)
+
+    std::vector<ggml_tensor *> a; // [n_layer], [n_embd(in), n_embd(out)] F16/F32; nullptr for il <= S
+    std::vector<ggml_tensor *> b; // [n_layer], [n_embd] F32
+
+    std::vector<ggml_context_ptr>        ctxs;
+    std::vector<ggml_backend_buffer_ptr> bufs;
+
+    explicit llama_ridgefill_maps(const llama_model & model) : model(model) {}
+
+    size_t n_bytes() const;
+};
+
+// x_hat = A_il * phi(xs) + b_il for the rows of xs [n_embd, n_rows] (F32); identity fill when maps is
+// nullptr or il has no map (il == S). Built from ggml ops only, so it runs on every backend.
+ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs);
+
+// record the message of a failed call for llama_ridgefill_last_error() and log it
+void llama_ridgefill_set_error(const char * func, const std::string & msg);

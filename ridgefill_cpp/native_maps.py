@@ -1,0 +1,86 @@
+"""Map files loaded into libllama for one model: a thin owner of ``llama_ridgefill_maps``.
+
+The C loader checks the file against the model (type, format version, architecture, n_layer,
+n_embd, split, mapped layers, tensor shapes and types, finite values); the fingerprint of the
+model file is compared here, because the library does not know which file a model came from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import _native as N
+from .mapfile import MapFileError
+
+
+class NativeMaps:
+    """Maps of ``path`` loaded for ``model`` (a ``llama_model *``); free with :meth:`close`."""
+
+    def __init__(self, model, path: os.PathLike | str, *, split: int | None = None, host: bool = False,
+                 model_path: os.PathLike | str | None = None):
+        self.path = Path(path)
+        params = N.llama_ridgefill_maps_default_params()
+        params.split_layer = -1 if split is None else int(split)
+        params.host = bool(host)
+        handle = N.llama_ridgefill_maps_init(model, os.fsencode(self.path), params)
+        if not handle:
+            raise MapFileError(N.llama_ridgefill_last_error().decode(errors="replace"))
+        self._handle = handle
+        if model_path is not None:
+            from .fingerprint import model_fingerprint
+
+            want = self.fingerprint
+            got = model_fingerprint(model_path)
+            if got != want:
+                self.close()
+                raise MapFileError(f"{self.path}: the maps were fitted on model {want}, {model_path} is {got} "
+                                   "(another checkpoint): fit maps for this model")
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError("the maps were freed")
+        return self._handle
+
+    @property
+    def split_layer(self) -> int:
+        return N.llama_ridgefill_maps_split_layer(self.handle)
+
+    @property
+    def fingerprint(self) -> str:
+        return N.llama_ridgefill_maps_fingerprint(self.handle).decode()
+
+    @property
+    def n_bytes(self) -> int:
+        return N.llama_ridgefill_maps_n_bytes(self.handle)
+
+    def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
+        """x̂_il for split-layer states ``xs`` [n, n_embd], computed by libllama's fill step."""
+        xs = np.ascontiguousarray(xs, dtype=np.float32)
+        out = np.empty_like(xs)
+        f = ctypes.POINTER(ctypes.c_float)
+        rc = N.llama_ridgefill_maps_predict(self.handle, il, xs.ctypes.data_as(f), xs.shape[0], out.ctypes.data_as(f))
+        if rc != 0:
+            raise ValueError(N.llama_ridgefill_last_error().decode(errors="replace"))
+        return out
+
+    def close(self) -> None:
+        if self._handle is not None:
+            N.llama_ridgefill_maps_free(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
