@@ -21,6 +21,22 @@ def _real_model(name: str) -> Path:
     return p
 
 
+def tokenize(model_path, text: str, n: int | None = None, add_bos: bool = True) -> list[int]:
+    """``text`` tokenized by llama.cpp with the model's vocabulary, cut to ``n`` tokens (asserting it has them)."""
+    import ridgefill_cpp  # noqa: F401  (the patched libraries)
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    try:
+        ids = llm.tokenize(text.encode(), add_bos=add_bos)
+    finally:
+        llm.close()
+    if n is not None:
+        assert len(ids) >= n, len(ids)
+        ids = ids[:n]
+    return ids
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return _real_model("smollm2-135m")

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tokenize
 import make_tiny_models as mtm
 
 from ridgefill_cpp.capture import capture_layer_inputs
@@ -81,16 +82,7 @@ def _one_torch_thread():
 @pytest.fixture(scope="module")
 def prompt_tokens(tiny_models) -> list[int]:
     """~100 tokens of PROMPT, tokenized by llama.cpp with the tiny vocabulary (BOS first)."""
-    import ridgefill_cpp  # noqa: F401  (the patched libraries)
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(tiny_models["llama"]), vocab_only=True, verbose=False)
-    try:
-        ids = llm.tokenize(PROMPT.encode(), add_bos=True)
-    finally:
-        llm.close()
-    assert len(ids) >= N_TOKENS, len(ids)
-    return ids[:N_TOKENS]
+    return tokenize(tiny_models["llama"], PROMPT, N_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tokenize
 import make_tiny_models as mtm
 import tiny_qwen35
 
@@ -93,15 +94,7 @@ def variant(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tokens(model) -> list[int]:
     """~100 tokens of PROMPT, tokenized by llama.cpp with the tiny vocabulary (BOS first)."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(model), vocab_only=True, verbose=False)
-    try:
-        ids = llm.tokenize(PROMPT.encode(), add_bos=True)
-    finally:
-        llm.close()
-    assert len(ids) >= N_TOKENS, len(ids)
-    return ids[:N_TOKENS]
+    return tokenize(model, PROMPT, N_TOKENS)
 
 
 @pytest.fixture(scope="module")
