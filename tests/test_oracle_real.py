@@ -80,10 +80,18 @@ def f32_copy(request, tmp_path_factory):
 
     from ridgefill_cpp import models
 
+    import shutil
+
+    from ridgefill_cpp.gguf_model import read_model_info
+
     src = models.available(request.param)
     if src is None:
         pytest.skip(f"{request.param} is not installed (`make models` installs it)")
-    dst = dequantize_gguf(src, tmp_path_factory.mktemp("f32") / f"{request.param}-f32.gguf")
+    root = tmp_path_factory.mktemp("f32")
+    need = 4 * read_model_info(src).n_params + (256 << 20)
+    if shutil.disk_usage(root).free < need:
+        pytest.skip(f"the F32 copy of {request.param} needs {need >> 20} MiB of free disk in {root}")
+    dst = dequantize_gguf(src, root / f"{request.param}-f32.gguf")
     yield request.param, dst
     dst.unlink()
 
