@@ -15,4 +15,6 @@ except PackageNotFoundError:  # pragma: no cover - source tree without an instal
 
 from llama_cpp import Llama  # noqa: E402  (after _native: the patched libraries)
 
-__all__ = ["Llama", "LIB_DIR", "NativeLibraryError", "build_info", "__version__"]
+from . import models  # noqa: E402
+
+__all__ = ["Llama", "LIB_DIR", "NativeLibraryError", "build_info", "models", "__version__"]
