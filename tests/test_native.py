@@ -74,3 +74,11 @@ def test_capture_hooks_do_not_change_the_numerics(smollm2_path):
         llm.close()
     cap = capture_layer_inputs(smollm2_path, tokens, layers=[0, 7, 29], n_ctx=256)
     assert np.array_equal(cap.logits, stock)
+
+
+def test_cli_models_lists_the_default_models(cli, smollm2_path, gemma3_path):
+    res = cli("models")
+    assert res.exit_code == 0, res.output
+    for text in ("smollm2-135m", "gemma3-270m", "Apache-2.0", "Gemma Terms"):
+        assert text in res.output, text
+    assert "not installed" not in res.output
