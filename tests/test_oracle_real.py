@@ -76,7 +76,7 @@ def test_oracle_matches_llama_cpp_on_gemma3(gemma3_path, record_property):
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def f32_copy(request, tmp_path_factory):
-    from dequantize_gguf import dequantize_gguf
+    from ridgefill_cpp.gguf_copy import dequantize_gguf
 
     from ridgefill_cpp import models
 
