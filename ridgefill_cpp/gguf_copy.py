@@ -11,12 +11,35 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+@contextmanager
+def atomic_gguf_writer(dst: os.PathLike | str, arch: str) -> Iterator[Any]:
+    """A ``gguf.GGUFWriter`` whose file appears at ``dst`` only when the block completes: it writes
+    a temporary file in the same directory and renames it; on any error nothing is left behind."""
+    import gguf
+
+    dst = Path(dst)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        yield writer
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def copy_gguf(
@@ -39,10 +62,7 @@ def copy_gguf(
     n_layer_src = reader.fields[f"{arch}.block_count"].contents()
     overrides = dict(metadata or {})
     dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
+    with atomic_gguf_writer(dst, arch) as writer:
         for name, fld in reader.fields.items():
             if name.startswith("GGUF.") or name == "general.architecture":
                 continue
@@ -68,14 +88,6 @@ def copy_gguf(
                 writer.add_tensor(t.name, np.ascontiguousarray(dequant(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
             else:
                 writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # rows of raw blocks
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return dst
 
 

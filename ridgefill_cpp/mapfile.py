@@ -17,12 +17,13 @@ normalisation without weight (``"rms"``: ``x / sqrt(mean(x²) + eps)``), as reco
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from .gguf_copy import atomic_gguf_writer
 
 FORMAT_VERSION = 1
 ADAPTER_TYPE = "ridgefill"
@@ -124,10 +125,7 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
     if not os.access(path.parent, os.W_OK):
         raise PermissionError(f"{path.parent}: not writable")
     check_maps(maps)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, meta.architecture)
+    with atomic_gguf_writer(path, meta.architecture) as w:
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string("adapter.type", ADAPTER_TYPE)
         w.add_string("general.name", f"RidgeFill maps for {meta.model_name or meta.architecture} (S={meta.split_layer})")
@@ -156,14 +154,6 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
             a = np.ascontiguousarray(maps.a[il], dtype=np.float16 if dtype == "f16" else np.float32)
             w.add_tensor(tensor_name_a(il), a)
             w.add_tensor(tensor_name_b(il), np.ascontiguousarray(maps.b[il], dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 

@@ -21,6 +21,15 @@ def _real_model(name: str) -> Path:
     return p
 
 
+#: a prompt for the tiny models: words of their vocabulary, digits, and text only byte tokens spell
+TINY_PROMPT = (
+    "the day was long, and we did get some water from the well before the time came to go. "
+    "She said: how many of them will make it up there? Then he had one more word for her, and "
+    "it was not what she had been told. Numbers like 1024 and 42 are in here too, as is some "
+    "UTF-8 text (grüße, 世界) that only byte tokens can spell."
+)
+
+
 def tokenize(model_path, text: str, n: int | None = None, add_bos: bool = True) -> list[int]:
     """``text`` tokenized by llama.cpp with the model's vocabulary, cut to ``n`` tokens (asserting it has them)."""
     import ridgefill_cpp  # noqa: F401  (the patched libraries)

@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tokenize
+from conftest import TINY_PROMPT, tokenize
 import make_tiny_models as mtm
 
 from ridgefill_cpp.capture import capture_layer_inputs
@@ -60,12 +60,7 @@ TOL_STEP = {
     "gemma3": (2e-4, 3e-5, 1e-4),
 }
 
-PROMPT = (
-    "the day was long, and we did get some water from the well before the time came to go. "
-    "She said: how many of them will make it up there? Then he had one more word for her, and "
-    "it was not what she had been told. Numbers like 1024 and 42 are in here too, as is some "
-    "UTF-8 text (grüße, 世界) that only byte tokens can spell."
-)
+PROMPT = TINY_PROMPT
 N_TOKENS = 100
 
 

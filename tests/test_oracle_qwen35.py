@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tokenize
+from conftest import TINY_PROMPT, tokenize
 import make_tiny_models as mtm
 import tiny_qwen35
 
@@ -60,12 +60,7 @@ TOL_STATE = 5e-6
 #: flash attention on (K/V and, on the per-row kernel path, Q and the V sum in F16)
 TOL_FA = 1.5e-3
 
-PROMPT = (
-    "the day was long, and we did get some water from the well before the time came to go. "
-    "She said: how many of them will make it up there? Then he had one more word for her, and "
-    "it was not what she had been told. Numbers like 1024 and 42 are in here too, as is some "
-    "UTF-8 text (grüße, 世界) that only byte tokens can spell."
-)
+PROMPT = TINY_PROMPT
 N_TOKENS = 100
 
 #: (decode call size, n_ubatch): several calls, ubatches that do not divide them, 1-row steps
