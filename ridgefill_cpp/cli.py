@@ -198,8 +198,11 @@ def fit(
         None, help="Calibration text: files and/or directories (read recursively). Default: the calibration "
                    "split of the Python standard library's documentation and sources."),
     output: Optional[Path] = typer.Option(
-        None, "--output", "-o", help="Map file to write (default: <model stem>.ridgefill.gguf next to the model)."),
-    split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S (default L - floor(L/3)); maps are fitted for layers S+1..L-1."),
+        None, "--output", "-o", help="Map file to write (default: <model stem>.ridgefill.gguf next to the model; "
+                                     "with several splits <model stem>.S{split}.ridgefill.gguf, and -o must contain {split})."),
+    split: Optional[str] = typer.Option(
+        None, "--split", "-s", help="Split layer S (default L - floor(L/3)); maps are fitted for layers S+1..L-1. "
+                                    "Several, comma-separated (e.g. 16,20,24), are fitted from one capture pass."),
     tokens: int = typer.Option(100_000, "--tokens", "-n", min=1, help="Calibration token budget."),
     ctx: int = typer.Option(512, "--ctx", min=8, help="Rows per calibration window (each a fresh sequence)."),
     objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
@@ -212,7 +215,7 @@ def fit(
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from . import corpus
-    from .fit import FitError, FitOptions, fit_ridge_maps
+    from .fit import FitError, FitOptions, fit_ridge_maps_for_splits
     from .gguf_model import GGUFFileError, read_model_info
     from .mapfile import write_map_file
 
@@ -221,16 +224,26 @@ def fit(
     if objective not in ("normalized", "raw"):
         _fail(f"--objective must be normalized or raw, not {objective!r}")
     try:
-        read_model_info(model)
+        info = read_model_info(model)
     except GGUFFileError as e:
         _fail(str(e))
-    output = output or model.with_name(model.name.removesuffix(".gguf") + ".ridgefill.gguf")
-    if output.resolve() == model.resolve():
-        _fail("the output path is the model file itself")
-    if output.exists() and not force:
-        _fail(f"{output} exists (use --force to overwrite it)")
-    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
-        _fail(f"cannot write {output}: {output.parent} is not a writable directory")
+    try:
+        splits = [info.default_split] if split is None else [int(x) for x in split.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--split must be a layer number or comma-separated layer numbers, not {split!r}")
+    stem = model.name.removesuffix(".gguf")
+    if len(splits) > 1 and output is not None and "{split}" not in str(output):
+        _fail("with several splits, --output must contain {split} (e.g. maps.S{split}.gguf)")
+    template = str(output) if output is not None else str(
+        model.with_name(f"{stem}.S{{split}}.ridgefill.gguf" if len(splits) > 1 else f"{stem}.ridgefill.gguf"))
+    outputs = [Path(template.replace("{split}", str(s))) for s in splits]
+    for path in outputs:
+        if path.resolve() == model.resolve():
+            _fail("the output path is the model file itself")
+        if path.exists() and not force:
+            _fail(f"{path} exists (use --force to overwrite it)")
+        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+            _fail(f"cannot write {path}: {path.parent} is not a writable directory")
     if calibration:
         try:
             docs = corpus.read_documents(calibration)
@@ -240,7 +253,7 @@ def fit(
     else:
         docs = corpus.default_documents("calibration")
         source = corpus.default_source_description("calibration")
-    opts = FitOptions(split=split, objective=objective, n_tokens=tokens, ctx=ctx, n_threads=threads)
+    opts = FitOptions(objective=objective, n_tokens=tokens, ctx=ctx, n_threads=threads)
     with Progress(TextColumn("capturing hidden states"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.completed:>8.0f} tokens  {task.fields[rate]}"), TimeRemainingColumn(),
                   console=err, transient=False) as bar:
@@ -252,24 +265,25 @@ def fit(
             bar.update(task, completed=done, total=total, rate=f"{rate:,.0f} tok/s")
 
         try:
-            res = fit_ridge_maps(model, docs, opts, source=source, progress=progress)
+            results = fit_ridge_maps_for_splits(model, docs, splits, opts, source=source, progress=progress)
         except FitError as e:
             _fail(str(e))
-    write_map_file(output, res.maps, dtype=dtype, overwrite=force)
-    m, tm = res.maps.meta, res.timings
-    q = Table(title=f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality")
-    for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
-        q.add_column(col, justify="right")
-    for il, lam, r2, e, ie in zip(m.layers, m.lambdas, m.r2, m.rel_err_median, m.identity_rel_err_median):
-        q.add_row(str(il), f"{lam:.3g}", f"{r2:.3f}", f"{e:.3f}", f"{ie:.3f}")
-    out.print(q)
-    out.print(
-        f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_ctx}), {m.heldout_n_rows} held-out rows; "
-        f"forward {tm.forward_s:.1f} s, statistics {tm.accumulate_s:.1f} s "
-        f"({100 * tm.accumulate_s / max(tm.forward_s, 1e-9):.1f}% of the forward), solve {tm.solve_s:.1f} s",
-        highlight=False,
-    )
-    out.print(f"wrote {output}", highlight=False)
+    for res, path in zip(results, outputs):
+        write_map_file(path, res.maps, dtype=dtype, overwrite=force)
+        m, tm = res.maps.meta, res.timings
+        q = Table(title=f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality")
+        for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
+            q.add_column(col, justify="right")
+        for il, lam, r2, e, ie in zip(m.layers, m.lambdas, m.r2, m.rel_err_median, m.identity_rel_err_median):
+            q.add_row(str(il), f"{lam:.3g}", f"{r2:.3f}", f"{e:.3f}", f"{ie:.3f}")
+        out.print(q)
+        out.print(
+            f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_ctx}), {m.heldout_n_rows} held-out rows; "
+            f"forward {tm.forward_s:.1f} s, statistics {tm.accumulate_s:.1f} s "
+            f"({100 * tm.accumulate_s / max(tm.forward_s, 1e-9):.1f}% of the forward), solve {tm.solve_s:.1f} s",
+            highlight=False,
+        )
+        out.print(f"wrote {path}", highlight=False)
 
 
 @app.command()

@@ -235,6 +235,50 @@ class _WindowCapture:
         self.llm.close()
 
 
+class _SplitAccumulator:
+    """The statistics and held-out rows of one split S (maps for S+1..L-1)."""
+
+    def __init__(self, split: int, n_layer: int, d: int):
+        self.split = split
+        self.layers = list(late_layers(split, n_layer))
+        self.stats = RidgeStatistics(d, self.layers)
+        self.held_x: list[torch.Tensor] = []
+        self.held_y: dict[int, list[torch.Tensor]] = {il: [] for il in self.layers}
+        self.n_held = 0
+
+    def add(self, phi: dict[int, torch.Tensor], heldout: bool, max_heldout: int) -> None:
+        x, ys = phi[self.split], {il: phi[il] for il in self.layers}
+        if not heldout:
+            self.stats.update(x, ys)
+        elif self.n_held < max_heldout:
+            k = min(x.shape[0], max_heldout - self.n_held)
+            self.held_x.append(x[:k])
+            for il in self.layers:
+                self.held_y[il].append(ys[il][:k])
+            self.n_held += k
+
+    def solve(self, grid: Sequence[float], eps: float):
+        """(a, b, lambdas, r2, rel_err, identity_rel_err, curves, n_heldout)."""
+        hx = torch.cat(self.held_x)
+        hy = {il: torch.cat(v) for il, v in self.held_y.items()}
+        solved = select_and_solve(self.stats, hx, hy, grid)
+        a_maps, b_maps, lambdas, r2s, errs, id_errs, curves = {}, {}, [], [], [], [], {}
+        hx_phi = rms_normalize(hx, eps)  # identity fill compares x_S with x_l in the consumed space
+        for il in self.layers:
+            a, b, lam, mses = solved[il]
+            pred = hx @ a.T + b
+            resid = ((hy[il] - pred) ** 2).sum()
+            total = ((hy[il] - hy[il].mean(0)) ** 2).sum()
+            r2s.append(float(1.0 - resid / total))
+            errs.append(float(_rel_err(pred, hy[il], eps).median()))
+            id_errs.append(float(_rel_err(hx_phi, hy[il], eps).median()))
+            lambdas.append(float(lam))
+            curves[il] = mses
+            a_maps[il] = a.to(torch.float32).numpy()
+            b_maps[il] = b.to(torch.float32).numpy()
+        return a_maps, b_maps, lambdas, r2s, errs, id_errs, curves, int(hx.shape[0])
+
+
 def fit_ridge_maps(
     model_path: os.PathLike | str,
     documents: Iterable[Document],
@@ -244,6 +288,24 @@ def fit_ridge_maps(
     progress: Callable[[int, int], None] | None = None,
 ) -> FitResult:
     """Fit the maps of ``model_path`` on ``documents``. ``progress(tokens_done, tokens_total)``."""
+    opt = options or FitOptions()
+    return fit_ridge_maps_for_splits(model_path, documents, [opt.split], opt, source=source, progress=progress)[0]
+
+
+def fit_ridge_maps_for_splits(
+    model_path: os.PathLike | str,
+    documents: Iterable[Document],
+    splits: Sequence[int | None],
+    options: FitOptions | None = None,
+    *,
+    source: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> list[FitResult]:
+    """Maps for several splits from one capture pass (layers min(S)..L-1 are captured once).
+
+    Each split's maps equal those of a separate :func:`fit_ridge_maps` run on the same text
+    (``options.split`` is ignored here; None in ``splits`` is the default split).
+    """
     from . import __version__
     from .fingerprint import model_fingerprint
     from .gguf_model import SUPPORTED_ARCHITECTURES, read_metadata, read_model_info
@@ -254,22 +316,26 @@ def fit_ridge_maps(
         raise FitError(f"{model_path}: architecture {info.architecture!r} is not supported "
                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     L, d = info.n_layer, info.n_embd
-    split = info.default_split if opt.split is None else int(opt.split)
-    if not 1 <= split <= L - 1:
-        raise FitError(f"split {split} outside 1..{L - 1} (the model has {L} layers)")
-    if split == L - 1:
-        raise FitError(f"split {split} = L-1 leaves no layer to map (maps exist for S+1..L-1)")
+    splits = [info.default_split if s is None else int(s) for s in splits]
+    if not splits or len(set(splits)) != len(splits):
+        raise FitError(f"splits must be distinct and at least one: {splits}")
+    for split in splits:
+        if not 1 <= split <= L - 1:
+            raise FitError(f"split {split} outside 1..{L - 1} (the model has {L} layers)")
+        if split == L - 1:
+            raise FitError(f"split {split} = L-1 leaves no layer to map (maps exist for S+1..L-1)")
     if opt.objective not in OBJECTIVES:
         raise FitError(f"objective {opt.objective!r}: expected one of {', '.join(OBJECTIVES)}")
     if opt.ctx <= opt.skip_rows + 1:
         raise FitError(f"ctx {opt.ctx} leaves no rows after skipping {opt.skip_rows} sink rows")
     md = read_metadata(model_path)
     eps = float(md.get(f"{info.architecture}.attention.layer_norm_rms_epsilon", 1e-6))
-    layers = list(late_layers(split, L))
     normalize = opt.objective == "normalized"
+    captured = list(range(min(splits), L))
 
     timings = FitTimings()
-    cap = _WindowCapture(model_path, [split] + layers, opt.ctx, opt.n_threads)
+    accs = [_SplitAccumulator(s, L, d) for s in splits]
+    cap = _WindowCapture(model_path, captured, opt.ctx, opt.n_threads)
     try:
         t0 = time.perf_counter()
         tokens = calibration_tokens(cap.llm, documents, opt.n_tokens)
@@ -287,75 +353,52 @@ def fit_ridge_maps(
                 f"the fit needs at least {needed} training rows (n_embd + 1 unknowns) plus held-out windows, "
                 f"i.e. about {(math.ceil(needed / rows_per_window) + 1) * per_window} tokens"
             )
-        stats = RidgeStatistics(d, layers)
-        held_x: list[torch.Tensor] = []
-        held_y: dict[int, list[torch.Tensor]] = {il: [] for il in layers}
-        n_held = 0
         for w in range(n_windows):
             t0 = time.perf_counter()
             states = cap.run(tokens[w * per_window:(w + 1) * per_window], opt.skip_rows)
             t1 = time.perf_counter()
             timings.forward_s += t1 - t0
-            x, ys = _objective_space(states, split, layers, normalize, eps)
-            if w in heldout:
-                if n_held < opt.max_heldout_rows:
-                    k = min(x.shape[0], opt.max_heldout_rows - n_held)
-                    held_x.append(x[:k])
-                    for il in layers:
-                        held_y[il].append(ys[il][:k])
-                    n_held += k
-            else:
-                stats.update(x, ys)
+            phi = {il: (rms_normalize(x.to(torch.float64), eps) if normalize else x.to(torch.float64))
+                   for il, x in states.items()}
+            for acc in accs:
+                acc.add(phi, w in heldout, opt.max_heldout_rows)
             timings.accumulate_s += time.perf_counter() - t1
             if progress:
                 progress((w + 1) * per_window, n_windows * per_window)
     finally:
         cap.close()
 
-    t0 = time.perf_counter()
-    hx = torch.cat(held_x)
-    hy = {il: torch.cat(v) for il, v in held_y.items()}
-    solved = select_and_solve(stats, hx, hy, opt.lambda_grid)
-    a_maps, b_maps, lambdas, r2s, errs, id_errs, curves = {}, {}, [], [], [], [], {}
-    # identity fill compares x_S with x_l in the consumed (normalised) space
-    hx_phi = rms_normalize(hx, eps)
-    for il in layers:
-        a, b, lam, mses = solved[il]
-        pred = hx @ a.T + b
-        resid = ((hy[il] - pred) ** 2).sum()
-        total = ((hy[il] - hy[il].mean(0)) ** 2).sum()
-        r2s.append(float(1.0 - resid / total))
-        errs.append(float(_rel_err(pred, hy[il], eps).median()))
-        id_errs.append(float(_rel_err(hx_phi, hy[il], eps).median()))
-        lambdas.append(float(lam))
-        curves[il] = mses
-        a_maps[il] = a.to(torch.float32).numpy()
-        b_maps[il] = b.to(torch.float32).numpy()
-    timings.solve_s = time.perf_counter() - t0
-
-    meta = MapFileMeta(
-        architecture=info.architecture,
-        split_layer=split,
-        n_layer=L,
-        n_embd=d,
-        objective=opt.objective,
-        input_norm_eps=eps,
-        layers=layers,
-        lambdas=lambdas,
-        calib_n_tokens=n_windows * per_window,
-        calib_n_rows=stats.n,
-        calib_source=source,
-        calib_ctx=opt.ctx,
-        calib_skip_rows=opt.skip_rows,
-        heldout_n_rows=int(hx.shape[0]),
-        r2=r2s,
-        rel_err_median=errs,
-        identity_rel_err_median=id_errs,
-        fingerprint=model_fingerprint(model_path),
-        model_name=info.name or Path(model_path).name,
-        tool_version=__version__,
-    )
-    return FitResult(RidgeMaps(meta, a_maps, b_maps), timings, n_windows, curves)
+    fingerprint = model_fingerprint(model_path)
+    results = []
+    for acc in accs:
+        t0 = time.perf_counter()
+        a_maps, b_maps, lambdas, r2s, errs, id_errs, curves, n_held = acc.solve(opt.lambda_grid, eps)
+        tm = FitTimings(forward_s=timings.forward_s, accumulate_s=timings.accumulate_s,
+                        solve_s=time.perf_counter() - t0, tokenize_s=timings.tokenize_s)
+        meta = MapFileMeta(
+            architecture=info.architecture,
+            split_layer=acc.split,
+            n_layer=L,
+            n_embd=d,
+            objective=opt.objective,
+            input_norm_eps=eps,
+            layers=acc.layers,
+            lambdas=lambdas,
+            calib_n_tokens=n_windows * per_window,
+            calib_n_rows=acc.stats.n,
+            calib_source=source,
+            calib_ctx=opt.ctx,
+            calib_skip_rows=opt.skip_rows,
+            heldout_n_rows=n_held,
+            r2=r2s,
+            rel_err_median=errs,
+            identity_rel_err_median=id_errs,
+            fingerprint=fingerprint,
+            model_name=info.name or Path(model_path).name,
+            tool_version=__version__,
+        )
+        results.append(FitResult(RidgeMaps(meta, a_maps, b_maps), tm, n_windows, curves))
+    return results
 
 
 def evaluate_maps(

@@ -137,3 +137,22 @@ def test_split_out_of_range(tiny_models, split):
 def test_unsupported_architecture(unsupported_model):
     with pytest.raises(FitError, match="'gpt2' is not supported .*llama, qwen3, gemma3, qwen35"):
         fit_ridge_maps(unsupported_model, [], FitOptions())
+
+
+def test_several_splits_from_one_capture_pass_equal_separate_fits(tiny_models):
+    from ridgefill_cpp.fit import fit_ridge_maps_for_splits
+
+    path = tiny_models["qwen3"]
+    opt = FitOptions(n_tokens=4000, ctx=128, n_threads=1)
+    together = fit_ridge_maps_for_splits(path, corpus.default_documents("calibration"), [2, 4], opt)
+    assert [r.maps.meta.split_layer for r in together] == [2, 4]
+    for res in together:
+        alone = fit_ridge_maps(path, corpus.default_documents("calibration"),
+                               FitOptions(split=res.maps.meta.split_layer, n_tokens=4000, ctx=128, n_threads=1))
+        assert res.maps.meta.layers == alone.maps.meta.layers
+        assert res.maps.meta.lambdas == alone.maps.meta.lambdas
+        for il in alone.maps.meta.layers:
+            np.testing.assert_array_equal(res.maps.a[il], alone.maps.a[il])
+            np.testing.assert_array_equal(res.maps.b[il], alone.maps.b[il])
+    with pytest.raises(FitError, match="distinct"):
+        fit_ridge_maps_for_splits(path, [], [3, 3], opt)

@@ -224,3 +224,18 @@ def test_cli_fit_output_parent_is_not_a_directory(cli, tiny_models, tmp_path):
     res = cli("fit", tiny_models["llama"], "-o", parent / "o.gguf")
     assert res.exit_code == 1 and "not a writable directory" in res.output
     assert parent.read_text() == "x"
+
+
+def test_cli_fit_several_splits(cli, tiny_models, tmp_path):
+    import shutil
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_models["llama"], model)
+    res = cli("fit", model, "--tokens", 3000, "--ctx", 128, "--split", "2,4")
+    assert res.exit_code == 0, res.output
+    for s in (2, 4):
+        assert read_map_file(tmp_path / f"m.S{s}.ridgefill.gguf").meta.split_layer == s
+    res = cli("fit", model, "--tokens", 3000, "--ctx", 128, "--split", "2,3", "-o", tmp_path / "x.gguf")
+    assert res.exit_code == 1 and "must contain {split}" in res.output
+    res = cli("fit", model, "--split", "two")
+    assert res.exit_code == 1 and "--split must be" in res.output
