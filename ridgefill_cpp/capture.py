@@ -13,8 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import _native
-from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input
+from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input  # (installs the hooks)
 
 GGML_TYPE_F32 = 0
 
@@ -32,7 +31,6 @@ def open_model(model_path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_uba
     """A llama-cpp-python ``Llama`` on the patched library, quiet, ready for capture."""
     from llama_cpp import Llama
 
-    assert _native.LIB_DIR  # the hooks are installed before llama_cpp is used
     return Llama(
         model_path=str(model_path),
         n_ctx=n_ctx,

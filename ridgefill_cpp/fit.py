@@ -163,15 +163,10 @@ def select_and_solve(
     return out
 
 
-def _objective_space(states: dict[int, torch.Tensor], split: int, layers: Sequence[int], normalize: bool,
-                     eps: float) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """(x, {l: y_l}) in float64, RMS-normalised for the ``normalized`` objective."""
-    x = states[split].to(torch.float64)
-    ys = {il: states[il].to(torch.float64) for il in layers}
-    if normalize:
-        x = rms_normalize(x, eps)
-        ys = {il: rms_normalize(y, eps) for il, y in ys.items()}
-    return x, ys
+def objective_space(states: dict[int, torch.Tensor], normalize: bool, eps: float) -> dict[int, torch.Tensor]:
+    """Captured layer inputs in float64, RMS-normalised for the ``normalized`` objective."""
+    return {il: (rms_normalize(x.to(torch.float64), eps) if normalize else x.to(torch.float64))
+            for il, x in states.items()}
 
 
 def _rel_err(pred: torch.Tensor, true: torch.Tensor, eps: float) -> torch.Tensor:
@@ -358,8 +353,7 @@ def fit_ridge_maps_for_splits(
             states = cap.run(tokens[w * per_window:(w + 1) * per_window], opt.skip_rows)
             t1 = time.perf_counter()
             timings.forward_s += t1 - t0
-            phi = {il: (rms_normalize(x.to(torch.float64), eps) if normalize else x.to(torch.float64))
-                   for il, x in states.items()}
+            phi = objective_space(states, normalize, eps)
             for acc in accs:
                 acc.add(phi, w in heldout, opt.max_heldout_rows)
             timings.accumulate_s += time.perf_counter() - t1

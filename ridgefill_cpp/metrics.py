@@ -269,17 +269,23 @@ def _check_boot(n_boot: int, alpha: float) -> None:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
 
 
+def _checked_weights(weights, n: int) -> np.ndarray:
+    """Per-document weights as a float64 array of length ``n``: finite and non-negative."""
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if w.size != n:
+        raise ValueError(f"values and weights differ in length: {n} vs {w.size}")
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError("weights must be finite and non-negative")
+    return w
+
+
 def _values_weights(values, weights) -> tuple[np.ndarray, np.ndarray | None]:
     v = np.asarray(values, dtype=np.float64).reshape(-1)
     if weights is None:
         if not np.all(np.isfinite(v)):
             raise ValueError("values must be finite (give a zero weight to documents with nothing scored)")
         return v, None
-    w = np.asarray(weights, dtype=np.float64).reshape(-1)
-    if w.shape != v.shape:
-        raise ValueError(f"values and weights differ in length: {v.size} vs {w.size}")
-    if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise ValueError("weights must be finite and non-negative")
+    w = _checked_weights(weights, v.size)
     keep = w > 0
     v, w = v[keep], w[keep]
     if not np.all(np.isfinite(v)):
@@ -381,14 +387,7 @@ def splice_share_ci(
     _check_boot(n_boot, alpha)
     f, s = _pair(delta_fill_docs, delta_spliced_docs, "delta_fill_docs and delta_spliced_docs")
     f, s = f.reshape(-1), s.reshape(-1)
-    if weights is None:
-        w = np.ones_like(f)
-    else:
-        w = np.asarray(weights, dtype=np.float64).reshape(-1)
-        if w.shape != f.shape:
-            raise ValueError(f"weights length {w.size} differs from the documents' {f.size}")
-        if not np.all(np.isfinite(w)) or np.any(w < 0):
-            raise ValueError("weights must be finite and non-negative")
+    w = np.ones_like(f) if weights is None else _checked_weights(weights, f.size)
     keep = w > 0
     f, s, w = f[keep], s[keep], w[keep]
     if not (np.all(np.isfinite(f)) and np.all(np.isfinite(s))):

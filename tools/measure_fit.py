@@ -24,7 +24,7 @@ def measure_overhead(path, split=None, n_windows: int = 40, ctx: int = 512) -> d
 
     from ridgefill_cpp import corpus
     from ridgefill_cpp.capture import open_model
-    from ridgefill_cpp.fit import RidgeStatistics, _objective_space, _WindowCapture, calibration_tokens
+    from ridgefill_cpp.fit import _SplitAccumulator, _WindowCapture, calibration_tokens, objective_space
     from ridgefill_cpp.gguf_model import read_model_info
 
     info = read_model_info(path)
@@ -34,7 +34,7 @@ def measure_overhead(path, split=None, n_windows: int = 40, ctx: int = 512) -> d
     plain = open_model(path, n_ctx=ctx, n_batch=ctx)
     try:
         tokens = calibration_tokens(cap.llm, corpus.default_documents("calibration"), n_windows * cap.per_window)
-        stats = RidgeStatistics(info.n_embd, layers)
+        acc = _SplitAccumulator(split, info.n_layer, info.n_embd)
         t_plain = t_fit = 0.0
         for w in range(len(tokens) // cap.per_window):
             window = tokens[w * cap.per_window:(w + 1) * cap.per_window]
@@ -43,8 +43,7 @@ def measure_overhead(path, split=None, n_windows: int = 40, ctx: int = 512) -> d
             plain.eval(cap.bos + window)
             t1 = time.perf_counter()
             states = cap.run(window, 4)
-            x, ys = _objective_space(states, split, layers, True, 1e-5)
-            stats.update(x, ys)
+            acc.add(objective_space(states, True, 1e-5), heldout=False, max_heldout=0)  # what the fit does
             t2 = time.perf_counter()
             t_plain += t1 - t0
             t_fit += t2 - t1
