@@ -26,6 +26,10 @@ void llama_ridgefill_set_error(const char * func, const std::string & msg) {
     LLAMA_LOG_ERROR("%s: %s\n", func, msg.c_str());
 }
 
+void llama_ridgefill_clear_error() {
+    g_ridgefill_last_error.clear();
+}
+
 const char * llama_ridgefill_last_error(void) {
     return g_ridgefill_last_error.c_str();
 }

@@ -42,3 +42,6 @@ ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgef
 
 // record the message of a failed call for llama_ridgefill_last_error() and log it
 void llama_ridgefill_set_error(const char * func, const std::string & msg);
+
+// a call succeeded: llama_ridgefill_last_error() returns ""
+void llama_ridgefill_clear_error();

@@ -64,6 +64,98 @@ extern "C" {
                                     int32_t   n_rows,
                                       float * out);
 
+    //
+    // filled-row prefill (DESIGN §4-§6): RidgeFill attached to a context, one planned prompt at a time
+    //
+
+    enum llama_ridgefill_selector {
+        LLAMA_RIDGEFILL_SELECTOR_NONE      = 0, // no exact prefix rows
+        LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1, // the rows the last prompt rows attend to most, below S
+    };
+
+    struct llama_ridgefill_params {
+        int32_t split_layer;    // S, 1 <= S <= n_layer (S = n_layer: stock); -1: the maps' split
+        int32_t n_tail;         // T >= 1: the last T prompt rows are exact
+        double  exact_fraction; // share of the prefix rows the selector keeps exact, in [0, 1]
+        int32_t selector;       // enum llama_ridgefill_selector
+        int32_t n_sel_queries;  // attention selector: query rows (the last prompt rows), >= 1
+        int32_t sel_layer;      // attention selector: layer below S to score at; -1: the last
+                                //   full-attention layer below S
+        int32_t n_rescale;      // c: value-scale rows (first min(c, T) tail rows); 0: no value scale
+        int32_t min_prompt;     // prompts of fewer rows run stock prefill
+        int32_t n_fill_chunk;   // filled rows per fill step; 0: n_ubatch
+    };
+
+    LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);
+
+    // attach RidgeFill to a context (replacing any attached before): maps NULL is identity fill at
+    // params.split_layer. The maps must outlive the attachment. Allocates the per-row scratch (x_S
+    // and the exact rows' states, n_embd * n_ctx floats each). Returns 0, or -1 with
+    // llama_ridgefill_last_error() saying why (unsupported architecture or context settings,
+    // parameters out of range, maps of another model or split) - the context is unchanged then.
+    LLAMA_API int32_t llama_ridgefill_attach(
+            struct llama_context * ctx,
+      const struct llama_ridgefill_maps * maps,
+     struct llama_ridgefill_params params);
+
+    LLAMA_API void llama_ridgefill_detach(struct llama_context * ctx);
+
+    // plan the prompt rows [pos0, pos_end) of seq_id: the next llama_decode() calls bring these rows
+    // (in any chunks, in order, no other rows in the same batch); their early layers run there, and
+    // the call that brings row pos_end-1 runs the late layers and writes that row's logits.
+    // Returns 1 when planned, 0 when the prompt runs stock (S = n_layer, N <= T, N < min_prompt),
+    // -1 on error (no RidgeFill attached, a plan in progress, rows out of the context).
+    LLAMA_API int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end);
+
+    // fix the exact prefix rows of the current plan (absolute positions in [pos0, pos_end - T)),
+    // overriding the selector; before the rows are decoded. Returns 0 or -1.
+    LLAMA_API int32_t llama_ridgefill_set_exact(struct llama_context * ctx, const llama_pos * pos, int32_t n);
+
+    // drop the current plan (rows already decoded keep only their early layers: remove them)
+    LLAMA_API void llama_ridgefill_cancel(struct llama_context * ctx);
+
+    struct llama_ridgefill_stats {
+        int32_t   active;        // 1: the last planned prompt ran RidgeFill prefill; 0: none yet
+        llama_seq_id seq_id;
+        llama_pos pos0;          // first planned position
+        int32_t   n_prompt;      // N
+        int32_t   n_layer;
+        int32_t   split_layer;   // S
+        int32_t   n_tail;        // min(T, N)
+        int32_t   n_exact;       // selected exact prefix rows |E|
+        int32_t   n_filled;      // N - T - |E|
+        int32_t   sel_layer;     // layer the attention selector scored at, -1: none
+        int32_t   n_scale_rows;  // min(c, T)
+        float     ceiling;       // 1/r, r = S/L + (1 - S/L)(T + |E|)/N
+        double    t_late_ms;     // the late phase (selection, fill, exact rows)
+    };
+
+    // statistics of the last finished plan; returns 0, or -1 without RidgeFill attached
+    LLAMA_API int32_t llama_ridgefill_get_stats(struct llama_context * ctx, struct llama_ridgefill_stats * out);
+
+    // the selected exact prefix positions of the last finished plan, ascending: copies up to n,
+    // returns how many there are
+    LLAMA_API int32_t llama_ridgefill_get_exact(struct llama_context * ctx, llama_pos * out, int32_t n);
+
+    // the attention selector's scores of the last finished plan for positions pos0..pos_end-1:
+    // copies up to n, returns how many there are (0 when no scores were measured)
+    LLAMA_API int32_t llama_ridgefill_get_scores(struct llama_context * ctx, float * out, int32_t n);
+
+    // the value scales s_{l,h} of the last finished plan, [n_layer - S][n_head_kv] row-major
+    // (1 where not measured): copies up to n, returns how many there are
+    LLAMA_API int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out, int32_t n);
+
+    // copy the K and V cache rows of layer il for positions pos[0..n) of seq_id as F32, [n][n_embd_k_gqa]
+    // and [n][n_embd_v_gqa] (either output may be NULL). For tests and tools. Returns 0 or -1.
+    LLAMA_API int32_t llama_ridgefill_read_kv(
+            struct llama_context * ctx,
+                         int32_t   il,
+                    llama_seq_id   seq_id,
+                 const llama_pos * pos,
+                         int32_t   n,
+                           float * k_out,
+                           float * v_out);
+
     // the message of the last failed RidgeFill call on this thread ("" after a success)
     LLAMA_API const char * llama_ridgefill_last_error(void);
 

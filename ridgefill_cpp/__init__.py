@@ -13,8 +13,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - source tree without an install
     __version__ = "0.0.0"
 
-from llama_cpp import Llama  # noqa: E402  (after _native: the patched libraries)
-
 from . import models  # noqa: E402
+from .prefill import Llama, RidgeFill  # noqa: E402  (after _native: the patched libraries)
 
-__all__ = ["Llama", "LIB_DIR", "NativeLibraryError", "build_info", "models", "__version__"]
+__all__ = ["Llama", "RidgeFill", "LIB_DIR", "NativeLibraryError", "build_info", "models", "__version__"]

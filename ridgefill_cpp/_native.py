@@ -165,3 +165,105 @@ def llama_ridgefill_maps_predict(maps, il: int, xs, n_rows: int, out, /) -> int:
 # LLAMA_API const char * llama_ridgefill_last_error(void);
 @ctypes_function("llama_ridgefill_last_error", [], ctypes.c_char_p)
 def llama_ridgefill_last_error() -> bytes: ...
+
+
+# enum llama_ridgefill_selector
+LLAMA_RIDGEFILL_SELECTOR_NONE = 0
+LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1
+
+
+# struct llama_ridgefill_params { ... };
+class llama_ridgefill_params(ctypes.Structure):
+    _fields_ = [
+        ("split_layer", ctypes.c_int32),
+        ("n_tail", ctypes.c_int32),
+        ("exact_fraction", ctypes.c_double),
+        ("selector", ctypes.c_int32),
+        ("n_sel_queries", ctypes.c_int32),
+        ("sel_layer", ctypes.c_int32),
+        ("n_rescale", ctypes.c_int32),
+        ("min_prompt", ctypes.c_int32),
+        ("n_fill_chunk", ctypes.c_int32),
+    ]
+
+
+# struct llama_ridgefill_stats { ... };
+class llama_ridgefill_stats(ctypes.Structure):
+    _fields_ = [
+        ("active", ctypes.c_int32),
+        ("seq_id", ctypes.c_int32),
+        ("pos0", ctypes.c_int32),
+        ("n_prompt", ctypes.c_int32),
+        ("n_layer", ctypes.c_int32),
+        ("split_layer", ctypes.c_int32),
+        ("n_tail", ctypes.c_int32),
+        ("n_exact", ctypes.c_int32),
+        ("n_filled", ctypes.c_int32),
+        ("sel_layer", ctypes.c_int32),
+        ("n_scale_rows", ctypes.c_int32),
+        ("ceiling", ctypes.c_float),
+        ("t_late_ms", ctypes.c_double),
+    ]
+
+
+_pos_p = ctypes.POINTER(ctypes.c_int32)
+_float_p = ctypes.POINTER(ctypes.c_float)
+
+
+# LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);
+@ctypes_function("llama_ridgefill_default_params", [], llama_ridgefill_params)
+def llama_ridgefill_default_params() -> llama_ridgefill_params: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_attach(struct llama_context * ctx, const struct llama_ridgefill_maps * maps,
+#                                          struct llama_ridgefill_params params);
+@ctypes_function("llama_ridgefill_attach", [llama_context_p, llama_ridgefill_maps_p, llama_ridgefill_params], ctypes.c_int32)
+def llama_ridgefill_attach(ctx, maps, params: llama_ridgefill_params, /) -> int: ...
+
+
+# LLAMA_API void llama_ridgefill_detach(struct llama_context * ctx);
+@ctypes_function("llama_ridgefill_detach", [llama_context_p], None)
+def llama_ridgefill_detach(ctx, /) -> None: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end);
+@ctypes_function("llama_ridgefill_begin", [llama_context_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_begin(ctx, seq_id: int, pos0: int, pos_end: int, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_set_exact(struct llama_context * ctx, const llama_pos * pos, int32_t n);
+@ctypes_function("llama_ridgefill_set_exact", [llama_context_p, _pos_p, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_set_exact(ctx, pos, n: int, /) -> int: ...
+
+
+# LLAMA_API void llama_ridgefill_cancel(struct llama_context * ctx);
+@ctypes_function("llama_ridgefill_cancel", [llama_context_p], None)
+def llama_ridgefill_cancel(ctx, /) -> None: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_stats(struct llama_context * ctx, struct llama_ridgefill_stats * out);
+@ctypes_function("llama_ridgefill_get_stats", [llama_context_p, ctypes.POINTER(llama_ridgefill_stats)], ctypes.c_int32)
+def llama_ridgefill_get_stats(ctx, out, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_exact(struct llama_context * ctx, llama_pos * out, int32_t n);
+@ctypes_function("llama_ridgefill_get_exact", [llama_context_p, _pos_p, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_get_exact(ctx, out, n: int, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_scores(struct llama_context * ctx, float * out, int32_t n);
+@ctypes_function("llama_ridgefill_get_scores", [llama_context_p, _float_p, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_get_scores(ctx, out, n: int, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out, int32_t n);
+@ctypes_function("llama_ridgefill_get_value_scales", [llama_context_p, _float_p, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_get_value_scales(ctx, out, n: int, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_read_kv(struct llama_context * ctx, int32_t il, llama_seq_id seq_id,
+#                                           const llama_pos * pos, int32_t n, float * k_out, float * v_out);
+@ctypes_function("llama_ridgefill_read_kv",
+                 [llama_context_p, ctypes.c_int32, ctypes.c_int32, _pos_p, ctypes.c_int32, _float_p, _float_p],
+                 ctypes.c_int32)
+def llama_ridgefill_read_kv(ctx, il: int, seq_id: int, pos, n: int, k_out, v_out, /) -> int: ...

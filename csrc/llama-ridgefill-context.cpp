@@ -1,0 +1,967 @@
+// RidgeFill attached to a llama_context: the C API of filled-row prefill, the plan of a prompt, the
+// early-phase bookkeeping and the late phase (DESIGN §4-§6).
+
+#include "llama-ridgefill-context.h"
+#include "llama-ridgefill-maps.h"
+
+#include "llama-batch.h"
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+//
+// helpers
+//
+
+namespace {
+
+// the KV caches of a context's memory: the full-attention one, and the sliding-window one of iSWA models
+struct rf_caches {
+    llama_kv_cache      * base = nullptr;
+    llama_kv_cache      * swa  = nullptr;
+    llama_kv_cache_iswa * iswa = nullptr;
+};
+
+rf_caches rf_get_caches(llama_memory_i * mem) {
+    rf_caches res;
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        res.iswa = iswa;
+        res.base = iswa->get_base();
+        res.swa  = iswa->get_swa();
+    } else {
+        res.base = dynamic_cast<llama_kv_cache *>(mem);
+    }
+    return res;
+}
+
+bool rf_is_full_attention(const llama_hparams & hparams, int il) {
+    return !hparams.is_swa(il) && !hparams.is_recr(il);
+}
+
+// the attention selector's default layer: the last full-attention layer below S (-1: none)
+int32_t rf_default_sel_layer(const llama_hparams & hparams, int32_t split) {
+    for (int32_t il = split - 1; il >= 0; --il) {
+        if (rf_is_full_attention(hparams, il)) {
+            return il;
+        }
+    }
+    return -1;
+}
+
+// how many prefix rows the selector keeps: ceil(fraction * n_prefix), with a tolerance against
+// rounding (0.1 * 30 is 3, not 4); the oracle's n_selected
+int32_t rf_n_selected(int32_t n_prefix, double fraction) {
+    if (n_prefix <= 0) {
+        return 0;
+    }
+    const double k = std::ceil(fraction*n_prefix - 1e-9);
+    return (int32_t) std::max(0.0, std::min<double>(n_prefix, k));
+}
+
+// cell of each position pos0 + j, j < n, of seq_id in a cache (-1 where none)
+std::vector<int64_t> rf_find_cells(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos pos0, int32_t n) {
+    std::vector<int64_t> res(n, -1);
+    const auto & cells = kv->get_cells(seq_id);
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (cells.is_empty(i) || !cells.seq_has(i, seq_id)) {
+            continue;
+        }
+        const llama_pos p = cells.pos_get(i);
+        if (p >= pos0 && p < pos0 + n) {
+            res[p - pos0] = i;
+        }
+    }
+    return res;
+}
+
+// a slot that re-uses the cells of rows that are already in the cache
+llama_kv_cache::slot_info rf_reuse_slot(const llama_kv_cache * kv, llama_seq_id seq_id, const std::vector<uint32_t> & cells) {
+    llama_kv_cache::slot_info sinfo;
+    const uint32_t strm = kv->get_stream(seq_id);
+    sinfo.s0 = strm;
+    sinfo.s1 = strm;
+    sinfo.strm = { (llama_seq_id) strm };
+    sinfo.idxs = { cells };
+    sinfo.reuse = true;
+    return sinfo;
+}
+
+// a ubatch of rows of one sequence at the given positions, no tokens (the inputs come from x_S)
+llama_ubatch rf_make_ubatch(llama_seq_id seq_id, const std::vector<llama_pos> & pos, bool output_last) {
+    auto data = std::make_shared<llama_ubatch::data_t>();
+    const uint32_t n = pos.size();
+
+    data->pos        = pos;
+    data->n_seq_id   .assign(n, 1);
+    data->seq_id_data.assign(1, seq_id);
+    data->seq_id     .assign(n, data->seq_id_data.data());
+    data->seq_id_unq = { seq_id };
+    data->seq_idx    .assign(LLAMA_MAX_SEQ, -1);
+    data->seq_idx[seq_id] = 0;
+    data->output     .assign(n, 0);
+    if (output_last && n > 0) {
+        data->output[n - 1] = 1;
+    }
+    data->batch_idxs.resize(n);
+    std::iota(data->batch_idxs.begin(), data->batch_idxs.end(), 0);
+
+    llama_ubatch ub {
+        /*.b_equal_seqs =*/ 0,
+        /*.n_tokens     =*/ n,
+        /*.n_seq_tokens =*/ n,
+        /*.n_seqs       =*/ 1,
+        /*.n_seqs_unq   =*/ 1,
+        /*.n_pos        =*/ 1,
+        /*.token        =*/ nullptr,
+        /*.embd         =*/ nullptr,
+        /*.pos          =*/ data->pos.data(),
+        /*.n_seq_id     =*/ data->n_seq_id.data(),
+        /*.seq_id       =*/ data->seq_id.data(),
+        /*.seq_id_unq   =*/ data->seq_id_unq.data(),
+        /*.seq_idx      =*/ data->seq_idx.data(),
+        /*.output       =*/ data->output.data(),
+        /*.data         =*/ data,
+    };
+    return ub;
+}
+
+} // namespace
+
+//
+// llama_ridgefill_context
+//
+
+std::string llama_ridgefill_context::check(const llama_context & lctx, const llama_ridgefill_maps * maps, llama_ridgefill_params & params) {
+    const llama_model   & model   = lctx.get_model();
+    const llama_hparams & hparams = model.hparams;
+    const llama_cparams & cparams = lctx.get_cparams();
+    const int32_t n_layer = (int32_t) hparams.n_layer();
+
+    switch (model.arch) {
+        case LLM_ARCH_LLAMA:
+        case LLM_ARCH_QWEN3:
+        case LLM_ARCH_GEMMA3:
+            break;
+        default:
+            return format("architecture '%s' is not supported by RidgeFill prefill (supported: llama, qwen3, gemma3)",
+                    llm_arch_name(model.arch));
+    }
+    if (model.arch == LLM_ARCH_LLAMA && hparams.n_expert > 0) {
+        return "mixture-of-experts llama models are not supported by RidgeFill prefill";
+    }
+
+    if (maps) {
+        if (&maps->model != &model) {
+            return "the maps were loaded for another model (llama_ridgefill_maps_init with this model)";
+        }
+        if (params.split_layer < 0) {
+            params.split_layer = maps->split_layer;
+        } else if (params.split_layer != maps->split_layer) {
+            return format("split %d requested, but the maps were fitted for split %d", params.split_layer, maps->split_layer);
+        }
+    } else if (params.split_layer < 0) {
+        return "identity fill (no maps) needs a split layer";
+    }
+    if (params.split_layer < 1 || params.split_layer > n_layer) {
+        return format("split %d outside 1..%d (the model has %d layers; %d = stock prefill)",
+                params.split_layer, n_layer, n_layer, n_layer);
+    }
+    if (params.n_tail < 1) {
+        return format("tail %d: at least the last prompt row must be exact (tail >= 1)", params.n_tail);
+    }
+    if (!std::isfinite(params.exact_fraction) || params.exact_fraction < 0.0 || params.exact_fraction > 1.0) {
+        return format("exact_fraction %g outside [0, 1]", params.exact_fraction);
+    }
+    if (params.selector != LLAMA_RIDGEFILL_SELECTOR_NONE && params.selector != LLAMA_RIDGEFILL_SELECTOR_ATTENTION) {
+        return format("unknown selector %d", params.selector);
+    }
+    if (params.n_sel_queries < 1) {
+        return format("n_sel_queries %d: the attention selector needs at least one query row", params.n_sel_queries);
+    }
+    if (params.n_rescale < 0) {
+        return format("value rescale rows %d must be >= 0 (0: off)", params.n_rescale);
+    }
+    if (params.min_prompt < 0 || params.n_fill_chunk < 0) {
+        return "min_prompt and n_fill_chunk must be >= 0";
+    }
+    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && params.split_layer < n_layer) {
+        if (params.sel_layer < 0) {
+            params.sel_layer = rf_default_sel_layer(hparams, params.split_layer);
+            if (params.sel_layer < 0) {
+                return format("no full-attention layer below split %d for the attention selector: use a deeper split or selector none",
+                        params.split_layer);
+            }
+        } else if (params.sel_layer >= params.split_layer || !rf_is_full_attention(hparams, params.sel_layer)) {
+            return format("selector layer %d must be a full-attention layer below the split %d", params.sel_layer, params.split_layer);
+        }
+    }
+
+    if (cparams.embeddings) {
+        return "embeddings contexts are not supported by RidgeFill prefill";
+    }
+    const rf_caches caches = rf_get_caches(lctx.get_memory());
+    if (!caches.base) {
+        return "RidgeFill prefill needs a KV-cache memory (this model's memory is recurrent or hybrid)";
+    }
+    if (caches.base->get_n_stream() != 1) {
+        return "RidgeFill prefill needs a single KV stream (kv_unified = true, or n_seq_max = 1)";
+    }
+    if (caches.swa && caches.swa->get_size() < caches.base->get_size()) {
+        return format("the sliding-window KV cache holds %u cells, fewer than the context (%u): filled and exact rows of "
+                "sliding-window layers need their cells kept; create the context with swa_full = true",
+                caches.swa->get_size(), caches.base->get_size());
+    }
+    return "";
+}
+
+llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const llama_ridgefill_maps * maps, const llama_ridgefill_params & params) :
+        lctx(lctx), model(lctx.get_model()), maps(maps), params(params) {
+    const llama_hparams & hparams = model.hparams;
+
+    n_layer   = (int32_t) hparams.n_layer();
+    n_embd    = (int32_t) hparams.n_embd;
+    sel_layer = params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && params.split_layer < n_layer ? params.sel_layer : -1;
+
+    const rf_caches caches = rf_get_caches(lctx.get_memory());
+    const int64_t n_ctx   = lctx.get_cparams().n_ctx;
+    const int64_t n_cells = caches.base->get_size();
+
+    ggml_init_params ip = {
+        /*.mem_size   =*/ 3*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ctx_buf.reset(ggml_init(ip));
+    xs     = ggml_new_tensor_2d(ctx_buf.get(), GGML_TYPE_F32, n_embd, n_ctx);
+    xx     = ggml_new_tensor_2d(ctx_buf.get(), GGML_TYPE_F32, n_embd, n_ctx);
+    scores = ggml_new_tensor_1d(ctx_buf.get(), GGML_TYPE_F32, n_cells);
+    ggml_set_name(xs,     "ridgefill_xs");
+    ggml_set_name(xx,     "ridgefill_xx");
+    ggml_set_name(scores, "ridgefill_scores");
+
+    // with the KV cache of the split layer
+    ggml_backend_dev_t dev = model.dev_layer(std::min(params.split_layer, n_layer - 1));
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
+    buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx_buf.get(), buft));
+    if (!buf) {
+        throw std::runtime_error(format("failed to allocate %.1f MiB for the RidgeFill row buffers on %s",
+                (2.0*ggml_nbytes(xs) + ggml_nbytes(scores))/1024.0/1024.0, ggml_backend_dev_name(dev)));
+    }
+    ggml_backend_buffer_clear(buf.get(), 0);
+    LLAMA_LOG_INFO("%s: RidgeFill attached: split %d of %d, %s, tail %d, selector %s (%.3g, layer %d), value rescale %d, "
+            "row buffers %.1f MiB on %s\n", __func__, params.split_layer, n_layer, maps ? "ridge maps" : "identity fill",
+            params.n_tail, sel_layer >= 0 ? "attention" : "none", params.exact_fraction, sel_layer, params.n_rescale,
+            ggml_backend_buffer_get_size(buf.get())/1024.0/1024.0, ggml_backend_dev_name(dev));
+}
+
+llama_ridgefill_context::~llama_ridgefill_context() = default;
+
+bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
+    if (!plan.active) {
+        return true;
+    }
+    plan.nan_batch_idxs.clear();
+
+    int32_t n_plan  = 0;
+    int32_t n_other = 0;
+    std::string err;
+
+    for (int32_t i = 0; i < batch.n_tokens && err.empty(); ++i) {
+        bool in_seq = false;
+        for (int32_t s = 0; s < batch.n_seq_id[i]; ++s) {
+            in_seq = in_seq || batch.seq_id[i][s] == plan.seq_id;
+        }
+        if (!in_seq) {
+            n_other++;
+            continue;
+        }
+        const llama_pos pos = batch.pos[i];
+        if (batch.n_seq_id[i] != 1) {
+            err = format("a row of the planned prompt (position %d) is shared with other sequences", pos);
+        } else if (pos < plan.pos0 || pos >= plan.pos_end) {
+            err = format("row at position %d of sequence %d is outside the planned prompt [%d, %d)",
+                    pos, plan.seq_id, plan.pos0, plan.pos_end);
+        } else if (batch.logits[i] && pos != plan.pos_end - 1) {
+            plan.nan_batch_idxs.push_back(i);
+        }
+        n_plan++;
+        if (pos == plan.pos_end - 1) {
+            plan.pending = true;
+            plan.out_batch_idx = batch.logits[i] ? i : -1;
+        }
+    }
+    if (err.empty() && n_plan > 0 && n_other > 0) {
+        err = "a batch holds rows of the planned prompt and rows of other sequences";
+    }
+    if (!err.empty()) {
+        llama_ridgefill_set_error("llama_decode", err + "; the RidgeFill plan is dropped and its rows removed");
+        lctx.get_memory()->seq_rm(plan.seq_id, plan.pos0, -1);
+        plan = {};
+        return false;
+    }
+    return true;
+}
+
+void llama_ridgefill_context::set_ubatch(const llama_ubatch & ubatch) {
+    graph_active = false;
+    if (!plan.active || ubatch.n_tokens == 0 || ubatch.seq_id[0][0] != plan.seq_id) {
+        return; // check_batch: a ubatch holds planned rows only, or none
+    }
+
+    cur = {};
+    cur.model    = &model;
+    cur.maps     = maps;
+    cur.split    = params.split_layer;
+    cur.xs       = xs;
+    cur.xx       = xx;
+    cur.il_begin = 0;
+    cur.il_end   = params.split_layer;
+    cur.dst      = xs;
+    cur.dst_rows.resize(ubatch.n_tokens);
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        cur.dst_rows[i] = ubatch.pos[i] - plan.pos0;
+    }
+
+    // the attention selector's query rows: the last n_sel_queries rows of the prompt
+    if (sel_layer >= 0 && !plan.exact_set) {
+        const llama_pos q0 = std::max(plan.pos0, plan.pos_end - params.n_sel_queries);
+        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+            if (ubatch.pos[i] >= q0) {
+                cur.sel_ids.push_back(i);
+            }
+        }
+        if (!cur.sel_ids.empty()) {
+            cur.sel_layer = sel_layer;
+            cur.scores    = scores;
+        }
+    }
+
+    graph_active = true;
+}
+
+void llama_ridgefill_context::set_ubatch_done() {
+    graph_active = false;
+}
+
+bool llama_ridgefill_context::reserve() {
+    const llama_hparams & hparams = model.hparams;
+    const llama_cparams & cparams = lctx.get_cparams();
+    const int32_t S = params.split_layer;
+    if (S >= n_layer) {
+        return true; // every prompt runs stock
+    }
+
+    const uint32_t n_tokens  = std::min(cparams.n_ctx, cparams.n_ubatch);
+    const uint32_t max_nodes = lctx.graph_max_nodes(cparams.n_ubatch);
+    if (!res_late) {
+        res_late.reset(new llm_graph_result(max_nodes));
+    }
+
+    llama_memory_context_ptr mctx = lctx.get_memory()->init_full();
+    if (!mctx) {
+        return false;
+    }
+
+    std::vector<llama_pos> pos(n_tokens);
+    std::iota(pos.begin(), pos.end(), 0);
+
+    const uint32_t n_outputs_saved = lctx.n_outputs;
+    ggml_backend_sched_t sched = lctx.sched.get();
+
+    bool ok = true;
+    for (int phase = 0; phase < 2 && ok; ++phase) {
+        const bool late = phase == 1;
+        llama_ubatch ub = rf_make_ubatch(0, pos, late);
+
+        cur = {};
+        cur.model = &model;
+        cur.maps  = maps;
+        cur.split = S;
+        cur.xs    = xs;
+        cur.xx    = xx;
+        if (!late) {
+            // an early ubatch holding the selector's query rows
+            cur.il_begin = 0;
+            cur.il_end   = S;
+            cur.dst      = xs;
+            cur.dst_rows.assign(n_tokens, 0);
+            if (sel_layer >= 0) {
+                cur.sel_layer = sel_layer;
+                cur.scores    = scores;
+                cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
+            }
+        } else {
+            // a chunk of exact rows through the last layer, with two fill steps and the value scale
+            const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) cparams.n_ubatch;
+            const int32_t n_f = 2*n_chunk;
+            cur.il_begin   = n_layer - 1;
+            cur.il_end     = n_layer;
+            cur.src        = xx;
+            cur.src_rows.assign(n_tokens, 0);
+            cur.fill_layer = n_layer - 1;
+            cur.n_chunk    = n_chunk;
+            cur.f_rows.assign(n_f, 0);
+            cur.f_pos.assign(n_f, 0);
+            cur.f_cells.assign(n_f, 0);
+            if (hparams.is_swa_any()) {
+                cur.f_cells_swa.assign(n_f, 0);
+            }
+            const rf_caches caches = rf_get_caches(lctx.get_memory());
+            if (caches.base->get_v_trans()) {
+                cur.f_vidx.assign((size_t) n_f*hparams.n_embd_v_gqa_max(), 0);
+                if (caches.swa) {
+                    cur.f_vidx_swa = cur.f_vidx;
+                }
+            }
+            const int32_t n_r = std::min(params.n_rescale, params.n_tail);
+            cur.r_src = xx;
+            cur.r_src_rows.assign(n_r, 0);
+            cur.r_rows.assign(n_r, 0);
+        }
+
+        lctx.n_outputs = late ? 1 : 0;
+        ggml_backend_sched_reset(sched);
+        res_late->reset();
+        graph_active = true;
+        const auto gparams = lctx.graph_params(res_late.get(), ub, mctx.get(), LLM_GRAPH_TYPE_DECODER);
+        ggml_cgraph * gf = model.build_graph(gparams);
+        graph_active = false;
+        ok = gf && ggml_backend_sched_reserve(sched, gf);
+    }
+    lctx.n_outputs = n_outputs_saved;
+    res_late->reset();
+    cur = {};
+
+    // the scheduler no longer holds the previous graph; the compute buffers are what is expected now
+    lctx.gf_res_prev_active = nullptr;
+    for (size_t i = 0; i < lctx.backend_ptrs.size(); ++i) {
+        lctx.backend_buf_exp_size[i] = ggml_backend_sched_get_buffer_size(sched, lctx.backend_ptrs[i]);
+    }
+    return ok;
+}
+
+int llama_ridgefill_context::decode_done(llama_context & lctx) {
+    if (!plan.active) {
+        return 0;
+    }
+    if (!plan.nan_batch_idxs.empty()) {
+        const int64_t n_vocab = model.vocab.n_tokens();
+        for (int32_t i : plan.nan_batch_idxs) {
+            if (float * dst = lctx.get_logits_ith(i)) {
+                std::fill(dst, dst + n_vocab, NAN);
+            }
+        }
+        plan.nan_batch_idxs.clear();
+    }
+    return plan.pending ? finish(lctx) : 0;
+}
+
+int llama_ridgefill_context::finish(llama_context & lctx) {
+    const int64_t t_start_us = ggml_time_us();
+
+    const llama_hparams & hparams = model.hparams;
+    const llama_ridgefill_plan p = plan;
+    plan = {};
+
+    const int32_t S        = params.split_layer;
+    const int32_t N        = p.pos_end - p.pos0;
+    const int32_t T        = std::min(params.n_tail, N);
+    const int32_t n_prefix = N - T;
+
+    auto fail = [&](const std::string & msg) {
+        llama_ridgefill_set_error("llama_decode", msg + "; the prompt's rows are removed");
+        lctx.get_memory()->seq_rm(p.seq_id, p.pos0, -1);
+        lctx.gf_res_prev_active = nullptr;
+        return -3;
+    };
+
+    // the cells of the planned rows
+    const rf_caches caches = rf_get_caches(lctx.get_memory());
+    const std::vector<int64_t> cells     = rf_find_cells(caches.base, p.seq_id, p.pos0, N);
+    const std::vector<int64_t> cells_swa = caches.swa ? rf_find_cells(caches.swa, p.seq_id, p.pos0, N) : std::vector<int64_t>();
+    if (std::find(cells.begin(), cells.end(), -1) != cells.end() ||
+        std::find(cells_swa.begin(), cells_swa.end(), -1) != cells_swa.end()) {
+        return fail("a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)");
+    }
+
+    // the exact prefix rows (§5)
+    std::vector<llama_pos> exact;
+    last_scores.clear();
+    if (p.exact_set) {
+        exact = p.exact;
+    } else if (sel_layer >= 0) {
+        std::vector<float> sc(ggml_nelements(scores));
+        ggml_backend_tensor_get(scores, sc.data(), 0, ggml_nbytes(scores));
+        last_scores.resize(N);
+        for (int32_t j = 0; j < N; ++j) {
+            last_scores[j] = sc[cells[j]];
+        }
+        const int32_t k = rf_n_selected(n_prefix, params.exact_fraction);
+        std::vector<int32_t> order(n_prefix);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return last_scores[a] > last_scores[b]; });
+        for (int32_t i = 0; i < k; ++i) {
+            exact.push_back(p.pos0 + order[i]);
+        }
+        std::sort(exact.begin(), exact.end());
+    }
+
+    // roles: X = exact rows (selected and tail), in position order; F = filled rows
+    std::vector<char> is_exact(N, 0);
+    for (llama_pos pos : exact) {
+        is_exact[pos - p.pos0] = 1;
+    }
+    std::fill(is_exact.begin() + n_prefix, is_exact.end(), 1);
+
+    std::vector<int32_t> X;
+    X.reserve(exact.size() + T);
+    cur = {};
+    for (int32_t j = 0; j < N; ++j) {
+        if (is_exact[j]) {
+            X.push_back(j);
+        } else {
+            cur.f_rows.push_back(j);
+            cur.f_pos.push_back(p.pos0 + j);
+            cur.f_cells.push_back(cells[j]);
+            if (caches.swa) {
+                cur.f_cells_swa.push_back(cells_swa[j]);
+            }
+        }
+    }
+    const int32_t n_x = X.size();
+    const int32_t n_f = cur.f_rows.size();
+
+    if (caches.base->get_v_trans()) {
+        const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
+        auto fill_vidx = [&](const llama_kv_cache * kv, const std::vector<int64_t> & c, std::vector<int64_t> & out) {
+            const int64_t kv_size = kv->get_size();
+            out.resize(c.size()*n_embd_v);
+            for (size_t i = 0; i < c.size(); ++i) {
+                for (int64_t e = 0; e < n_embd_v; ++e) {
+                    out[i*n_embd_v + e] = e*kv_size + c[i];
+                }
+            }
+        };
+        fill_vidx(caches.base, cur.f_cells, cur.f_vidx);
+        if (caches.swa) {
+            fill_vidx(caches.swa, cur.f_cells_swa, cur.f_vidx_swa);
+        }
+    }
+
+    const uint32_t n_ubatch  = lctx.get_cparams().n_ubatch;
+    const uint32_t max_nodes = lctx.graph_max_nodes(n_ubatch);
+
+    // filled rows per fill step: n_ubatch (or the caller's), in at most a node budget's worth of steps
+    {
+        const int32_t max_steps = std::max<int32_t>(1, ((int32_t) max_nodes/2 - 256)/40);
+        int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
+        n_chunk = std::max(n_chunk, (n_f + max_steps - 1)/max_steps);
+        cur.n_chunk = std::max(1, n_chunk);
+    }
+
+    const int32_t n_scale_rows = std::min(params.n_rescale, T);
+
+    cur.model = &model;
+    cur.maps  = maps;
+    cur.split = S;
+    cur.xs    = xs;
+    cur.xx    = xx;
+    cur.dst   = xx;
+    for (int32_t i = 0; i < n_scale_rows; ++i) {
+        cur.r_rows.push_back(n_prefix + i);
+    }
+
+    if (!res_late) {
+        res_late.reset(new llm_graph_result(max_nodes));
+    }
+
+    const uint32_t n_head_kv_max = [&]() {
+        uint32_t n = 0;
+        for (int32_t il = S; il < n_layer; ++il) {
+            n = std::max(n, hparams.n_head_kv(il));
+        }
+        return n;
+    }();
+    last_v_scales.assign((size_t) (n_layer - S)*n_head_kv_max, 1.0f);
+
+    const uint32_t n_outputs_saved = lctx.n_outputs;
+    ggml_backend_sched_t sched = lctx.sched.get();
+
+    // the late layers, layer-major; within a layer the exact rows in chunks of n_ubatch, in position
+    // order (a chunk attends to the rows of the chunks before it, already written)
+    for (int32_t il = S; il < n_layer; ++il) {
+        const bool last_layer = il == n_layer - 1;
+
+        for (int32_t c0 = 0; c0 < n_x; c0 += n_ubatch) {
+            const int32_t nc = std::min<int32_t>(n_ubatch, n_x - c0);
+
+            std::vector<llama_pos> pos(nc);
+            std::vector<uint32_t>  xc(nc), xc_swa(caches.swa ? nc : 0);
+            for (int32_t i = 0; i < nc; ++i) {
+                const int32_t j = X[c0 + i];
+                pos[i] = p.pos0 + j;
+                xc[i]  = cells[j];
+                if (caches.swa) {
+                    xc_swa[i] = cells_swa[j];
+                }
+            }
+            llama_ubatch ub = rf_make_ubatch(p.seq_id, pos, last_layer);
+
+            llama_memory_context_ptr mctx;
+            if (caches.iswa) {
+                mctx = std::make_unique<llama_kv_cache_iswa_context>(caches.iswa,
+                        llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, p.seq_id, xc) },
+                        llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.swa,  p.seq_id, xc_swa) },
+                        std::vector<llama_ubatch> { ub });
+            } else {
+                mctx = std::make_unique<llama_kv_cache_context>(caches.base,
+                        llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, p.seq_id, xc) },
+                        std::vector<llama_ubatch> { ub });
+            }
+            if (!mctx->apply()) {
+                lctx.n_outputs = n_outputs_saved;
+                return fail("failed to address the KV cells of the exact rows");
+            }
+
+            cur.il_begin = il;
+            cur.il_end   = last_layer ? n_layer : il + 1;
+            cur.src      = il == S ? xs : xx;
+            cur.src_rows.resize(nc);
+            cur.dst_rows.resize(nc);
+            for (int32_t i = 0; i < nc; ++i) {
+                cur.src_rows[i] = il == S ? X[c0 + i] : c0 + i;
+                cur.dst_rows[i] = c0 + i;
+            }
+            cur.fill_layer = c0 == 0 ? il : -1;
+            cur.r_src      = il == S ? xs : xx;
+            cur.r_src_rows.clear();
+            for (int32_t i = 0; i < n_scale_rows; ++i) {
+                cur.r_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
+            }
+            cur.inp     = nullptr;
+            cur.v_scale = nullptr;
+
+            lctx.n_outputs = last_layer ? 1 : 0;
+
+            llm_graph_result * res = res_late.get();
+            res->reset();
+            ggml_backend_sched_reset(sched);
+            ggml_backend_sched_set_eval_callback(sched, lctx.get_cparams().cb_eval, lctx.get_cparams().cb_eval_user_data);
+
+            graph_active = true;
+            const auto gparams = lctx.graph_params(res, ub, mctx.get(), LLM_GRAPH_TYPE_DECODER);
+            ggml_cgraph * gf = model.build_graph(gparams);
+            graph_active = false;
+
+            if (!gf || !ggml_backend_sched_alloc_graph(sched, gf)) {
+                lctx.n_outputs = n_outputs_saved;
+                return fail(format("failed to build or allocate the late-phase graph of layer %d", il));
+            }
+            res->set_inputs(&ub);
+            if (lctx.graph_compute(gf, true) != GGML_STATUS_SUCCESS) {
+                lctx.n_outputs = n_outputs_saved;
+                return fail(format("failed to compute the late-phase graph of layer %d", il));
+            }
+            ggml_backend_sched_synchronize(sched);
+
+            if (cur.v_scale) {
+                ggml_backend_tensor_get(cur.v_scale, last_v_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.v_scale));
+            }
+            if (last_layer && c0 + nc == n_x && p.out_batch_idx >= 0) {
+                ggml_tensor * t_logits = res->get_logits();
+                GGML_ASSERT(t_logits != nullptr);
+                lctx.n_outputs = n_outputs_saved;
+                float * dst = lctx.get_logits_ith(p.out_batch_idx);
+                if (dst == nullptr) {
+                    return fail("no logits row for the last prompt row");
+                }
+                ggml_backend_tensor_get(t_logits, dst, 0, ggml_nbytes(t_logits));
+            }
+        }
+    }
+
+    lctx.n_outputs = n_outputs_saved;
+    // the scheduler now holds the late-phase graph: the next decode builds its own
+    lctx.gf_res_prev_active = nullptr;
+    cur = {};
+
+    last_exact = exact;
+
+    const double r = double(S)/n_layer + (1.0 - double(S)/n_layer)*double(n_x)/N;
+    stats = {};
+    stats.active       = 1;
+    stats.seq_id       = p.seq_id;
+    stats.pos0         = p.pos0;
+    stats.n_prompt     = N;
+    stats.n_layer      = n_layer;
+    stats.split_layer  = S;
+    stats.n_tail       = T;
+    stats.n_exact      = (int32_t) exact.size();
+    stats.n_filled     = n_f;
+    stats.sel_layer    = p.exact_set ? -1 : sel_layer;
+    stats.n_scale_rows = n_scale_rows;
+    stats.ceiling      = (float) (1.0/r);
+    stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
+
+    return 0;
+}
+
+//
+// C API
+//
+
+static llama_ridgefill_context * rf_get(llama_context * ctx, const char * func) {
+    if (ctx == nullptr || !ctx->ridgefill) {
+        llama_ridgefill_set_error(func, "no RidgeFill attached to this context (llama_ridgefill_attach)");
+        return nullptr;
+    }
+    return ctx->ridgefill.get();
+}
+
+struct llama_ridgefill_params llama_ridgefill_default_params(void) {
+    llama_ridgefill_params p = {
+        /*.split_layer    =*/ -1,
+        /*.n_tail         =*/ 64,
+        /*.exact_fraction =*/ 0.10,
+        /*.selector       =*/ LLAMA_RIDGEFILL_SELECTOR_ATTENTION,
+        /*.n_sel_queries  =*/ 64,
+        /*.sel_layer      =*/ -1,
+        /*.n_rescale      =*/ 512,
+        /*.min_prompt     =*/ 1024,
+        /*.n_fill_chunk   =*/ 0,
+    };
+    return p;
+}
+
+int32_t llama_ridgefill_attach(struct llama_context * ctx, const struct llama_ridgefill_maps * maps, struct llama_ridgefill_params params) {
+    if (ctx == nullptr) {
+        llama_ridgefill_set_error(__func__, "no context");
+        return -1;
+    }
+    const std::string err = llama_ridgefill_context::check(*ctx, maps, params);
+    if (!err.empty()) {
+        llama_ridgefill_set_error(__func__, err);
+        return -1;
+    }
+    try {
+        ctx->ridgefill.reset();
+        ctx->ridgefill = std::make_unique<llama_ridgefill_context>(*ctx, maps, params);
+        if (!ctx->ridgefill->reserve()) {
+            throw std::runtime_error("failed to reserve the compute buffers of the RidgeFill phases");
+        }
+    } catch (const std::exception & e) {
+        ctx->ridgefill.reset();
+        llama_ridgefill_set_error(__func__, e.what());
+        return -1;
+    }
+    llama_ridgefill_clear_error();
+    return 0;
+}
+
+void llama_ridgefill_detach(struct llama_context * ctx) {
+    if (ctx) {
+        ctx->ridgefill.reset();
+    }
+}
+
+int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    auto & plan = rf->plan;
+    if (plan.active) {
+        llama_ridgefill_set_error(__func__, format("a planned prompt is in progress (sequence %d, rows [%d, %d)): "
+                "decode its rows, or llama_ridgefill_cancel", plan.seq_id, plan.pos0, plan.pos_end));
+        return -1;
+    }
+    const uint32_t n_ctx = ctx->get_cparams().n_ctx;
+    if (seq_id < 0 || seq_id >= (llama_seq_id) LLAMA_MAX_SEQ) {
+        llama_ridgefill_set_error(__func__, format("invalid sequence %d", seq_id));
+        return -1;
+    }
+    if (pos0 < 0 || pos_end <= pos0) {
+        llama_ridgefill_set_error(__func__, format("empty or invalid prompt rows [%d, %d)", pos0, pos_end));
+        return -1;
+    }
+    if ((uint32_t) (pos_end - pos0) > n_ctx) {
+        llama_ridgefill_set_error(__func__, format("the prompt has %d rows, more than the context size %u",
+                pos_end - pos0, n_ctx));
+        return -1;
+    }
+    llama_ridgefill_clear_error();
+
+    const int32_t N = pos_end - pos0;
+    const auto & p = rf->params;
+    if (p.split_layer >= rf->n_layer || N <= p.n_tail || N < p.min_prompt) {
+        return 0; // degenerate: stock prefill (DESIGN §4.6)
+    }
+
+    plan = {};
+    plan.active  = true;
+    plan.seq_id  = seq_id;
+    plan.pos0    = pos0;
+    plan.pos_end = pos_end;
+    if (rf->sel_layer >= 0) {
+        ggml_backend_tensor_memset(rf->scores, 0, 0, ggml_nbytes(rf->scores));
+    }
+    return 1;
+}
+
+int32_t llama_ridgefill_set_exact(struct llama_context * ctx, const llama_pos * pos, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    auto & plan = rf->plan;
+    if (!plan.active || plan.pending) {
+        llama_ridgefill_set_error(__func__, "no planned prompt waiting for its rows (llama_ridgefill_begin)");
+        return -1;
+    }
+    if (n < 0 || (n > 0 && pos == nullptr)) {
+        llama_ridgefill_set_error(__func__, "invalid position list");
+        return -1;
+    }
+    const int32_t N = plan.pos_end - plan.pos0;
+    const llama_pos prefix_end = plan.pos0 + N - std::min(rf->params.n_tail, N);
+    std::vector<llama_pos> exact(pos, pos + n);
+    for (llama_pos p : exact) {
+        if (p < plan.pos0 || p >= prefix_end) {
+            llama_ridgefill_set_error(__func__, format("exact position %d outside the prompt's prefix [%d, %d)", p, plan.pos0, prefix_end));
+            return -1;
+        }
+    }
+    std::sort(exact.begin(), exact.end());
+    exact.erase(std::unique(exact.begin(), exact.end()), exact.end());
+    plan.exact     = std::move(exact);
+    plan.exact_set = true;
+    llama_ridgefill_clear_error();
+    return 0;
+}
+
+void llama_ridgefill_cancel(struct llama_context * ctx) {
+    if (ctx == nullptr || !ctx->ridgefill) {
+        return;
+    }
+    auto & plan = ctx->ridgefill->plan;
+    if (plan.active) {
+        llama_memory_seq_rm(llama_get_memory(ctx), plan.seq_id, plan.pos0, -1);
+    }
+    plan = {};
+}
+
+int32_t llama_ridgefill_get_stats(struct llama_context * ctx, struct llama_ridgefill_stats * out) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf || out == nullptr) {
+        return -1;
+    }
+    *out = rf->stats;
+    return 0;
+}
+
+int32_t llama_ridgefill_get_exact(struct llama_context * ctx, llama_pos * out, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    const int32_t m = (int32_t) rf->last_exact.size();
+    if (out) {
+        std::copy_n(rf->last_exact.begin(), std::min(m, std::max(n, 0)), out);
+    }
+    return m;
+}
+
+int32_t llama_ridgefill_get_scores(struct llama_context * ctx, float * out, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    const int32_t m = (int32_t) rf->last_scores.size();
+    if (out) {
+        std::copy_n(rf->last_scores.begin(), std::min(m, std::max(n, 0)), out);
+    }
+    return m;
+}
+
+int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    const int32_t m = (int32_t) rf->last_v_scales.size();
+    if (out) {
+        std::copy_n(rf->last_v_scales.begin(), std::min(m, std::max(n, 0)), out);
+    }
+    return m;
+}
+
+int32_t llama_ridgefill_read_kv(
+        struct llama_context * ctx,
+                     int32_t   il,
+                llama_seq_id   seq_id,
+             const llama_pos * pos,
+                     int32_t   n,
+                       float * k_out,
+                       float * v_out) {
+    if (ctx == nullptr || pos == nullptr || n < 0) {
+        llama_ridgefill_set_error(__func__, "invalid arguments");
+        return -1;
+    }
+    const llama_hparams & hparams = ctx->get_model().hparams;
+    if (il < 0 || il >= (int32_t) hparams.n_layer() || hparams.is_recr(il)) {
+        llama_ridgefill_set_error(__func__, format("layer %d has no KV cache", il));
+        return -1;
+    }
+    const rf_caches caches = rf_get_caches(ctx->get_memory());
+    if (!caches.base) {
+        llama_ridgefill_set_error(__func__, "the context has no KV cache");
+        return -1;
+    }
+    const llama_kv_cache * kv = caches.swa && hparams.is_swa(il) ? caches.swa : caches.base;
+    const uint32_t kv_size = kv->get_size();
+
+    ctx->synchronize();
+    for (int which = 0; which < 2; ++which) {
+        float * out = which == 0 ? k_out : v_out;
+        if (out == nullptr) {
+            continue;
+        }
+        ggml_tensor * t = which == 0 ? kv->get_k_storage(il) : kv->get_v_storage(il);
+        const bool trans = which == 1 && kv->get_v_trans();
+        const int64_t n_embd_gqa = which == 0 ? hparams.n_embd_k_gqa(il) : hparams.n_embd_v_gqa(il);
+
+        std::vector<uint8_t> raw(ggml_nbytes(t));
+        ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+        std::vector<float> all(ggml_nelements(t));
+        const auto * traits = ggml_get_type_traits(t->type);
+        if (t->type == GGML_TYPE_F32) {
+            memcpy(all.data(), raw.data(), raw.size());
+        } else if (traits->to_float) {
+            traits->to_float(raw.data(), all.data(), all.size());
+        } else {
+            llama_ridgefill_set_error(__func__, format("cannot read a %s cache", ggml_type_name(t->type)));
+            return -1;
+        }
+        const int64_t row = t->ne[0]; // K / untransposed V: [n_embd_gqa, kv_size]; transposed V: [kv_size, n_embd_gqa]
+        for (int32_t i = 0; i < n; ++i) {
+            const std::vector<int64_t> c = rf_find_cells(kv, seq_id, pos[i], 1);
+            if (c[0] < 0) {
+                llama_ridgefill_set_error(__func__, format("position %d of sequence %d is not in the cache", pos[i], seq_id));
+                return -1;
+            }
+            for (int64_t e = 0; e < n_embd_gqa; ++e) {
+                out[i*n_embd_gqa + e] = trans ? all[e*kv_size + c[0]] : all[c[0]*row + e];
+            }
+        }
+    }
+    llama_ridgefill_clear_error();
+    return 0;
+}

@@ -1,0 +1,98 @@
+// RidgeFill attached to a llama_context: parameters, the per-row scratch buffers, the plan of the
+// prompt being prefilled, and the late phase (DESIGN §4, §6; llama-ridgefill-graph.h).
+#pragma once
+
+#include "llama-ridgefill.h"
+#include "llama-ridgefill-graph.h"
+
+#include "ggml-cpp.h"
+
+#include <memory>
+#include <vector>
+
+struct llama_context;
+struct llama_model;
+struct llama_batch;
+struct llama_ubatch;
+class  llm_graph_result;
+
+// the prompt being prefilled with RidgeFill: rows [pos0, pos_end) of one sequence
+struct llama_ridgefill_plan {
+    bool         active  = false; // begun, late phase not run yet
+    bool         pending = false; // the last row has been decoded: run the late phase
+    llama_seq_id seq_id  = 0;
+    llama_pos    pos0    = 0;
+    llama_pos    pos_end = 0;
+
+    bool                   exact_set = false; // exact prefix rows given by the caller
+    std::vector<llama_pos> exact;
+
+    int32_t out_batch_idx = -1;          // batch index of row pos_end-1 when it asked for logits
+    std::vector<int32_t> nan_batch_idxs; // batch indices of earlier planned rows that asked for logits
+};
+
+struct llama_ridgefill_context {
+    llama_ridgefill_context(llama_context & lctx, const llama_ridgefill_maps * maps, const llama_ridgefill_params & params);
+    ~llama_ridgefill_context();
+
+    // the checks of llama_ridgefill_attach; "" when the settings work with this context
+    static std::string check(const llama_context & lctx, const llama_ridgefill_maps * maps, llama_ridgefill_params & params);
+
+    //
+    // called by llama_context::decode
+    //
+
+    // a batch holds either only rows of the plan, in range, or none; false (with the error recorded
+    // and the plan dropped) otherwise
+    bool check_batch(const llama_batch & batch);
+
+    // the ubatch about to be processed: its graph is an early-phase graph when it holds planned rows
+    void set_ubatch(const llama_ubatch & ubatch);
+    void set_ubatch_done();
+
+    // the RidgeFill part of the graph being built (nullptr: stock)
+    const llama_ridgefill_graph * graph() const { return graph_active ? &cur : nullptr; }
+
+    // end of a decode call: logits asked for planned rows before the last are NaN (only the last
+    // prompt row has logits); the call that brought the last row runs the late phase. 0, or the
+    // error code decode returns
+    int decode_done(llama_context & lctx);
+
+    // the late phase
+    int finish(llama_context & lctx);
+
+    // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
+    // selector's query rows) and of the late phase (a chunk of exact rows, a fill step); false on failure
+    bool reserve();
+
+    //
+    // state
+    //
+
+    llama_context              & lctx;
+    const llama_model          & model;
+    const llama_ridgefill_maps * maps; // nullptr: identity fill
+    llama_ridgefill_params       params;
+
+    int32_t n_layer   = 0;
+    int32_t n_embd    = 0;
+    int32_t sel_layer = -1; // attention selector layer (-1: selector none)
+
+    ggml_context_ptr        ctx_buf;
+    ggml_backend_buffer_ptr buf;
+    ggml_tensor * xs     = nullptr; // [n_embd, n_ctx]
+    ggml_tensor * xx     = nullptr; // [n_embd, n_ctx]
+    ggml_tensor * scores = nullptr; // [n_cells of the selector layer's cache]
+
+    llama_ridgefill_plan  plan;
+    llama_ridgefill_graph cur;
+    bool                  graph_active = false;
+
+    std::unique_ptr<llm_graph_result> res_late;
+
+    // the last finished plan
+    llama_ridgefill_stats  stats = {};
+    std::vector<llama_pos> last_exact;
+    std::vector<float>     last_scores;
+    std::vector<float>     last_v_scales;
+};

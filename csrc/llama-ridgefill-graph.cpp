@@ -1,0 +1,369 @@
+// RidgeFill graph pieces: the inputs of a planned prompt's graphs, the split-layer store, the
+// attention selector, the value scale and the filled rows' K/V (see llama-ridgefill-graph.h).
+
+#include "llama-ridgefill-graph.h"
+#include "llama-ridgefill-maps.h"
+
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <cfloat>
+
+// the index tensors of a RidgeFill graph; their data is known when the graph is built (RidgeFill
+// graphs are never reused), set_input copies it
+class llm_graph_input_ridgefill : public llm_graph_input_i {
+public:
+    explicit llm_graph_input_ridgefill(const llama_ridgefill_graph & rf) : rf(rf) {}
+    virtual ~llm_graph_input_ridgefill() = default;
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_UNUSED(ubatch);
+        for (const auto & [t, data, nbytes] : sets) {
+            if (t->buffer) { // an input no node used is not allocated
+                ggml_backend_tensor_set(t, data, 0, nbytes);
+            }
+        }
+    }
+
+    // a new input tensor of n elements, filled from data (which outlives the graph)
+    ggml_tensor * add(ggml_context * ctx0, ggml_type type, int64_t n, const void * data, const char * name) {
+        ggml_tensor * t = ggml_new_tensor_1d(ctx0, type, n);
+        ggml_set_input(t);
+        ggml_set_name(t, name);
+        sets.push_back({ t, data, ggml_nbytes(t) });
+        return t;
+    }
+
+    const llama_ridgefill_graph & rf;
+
+    ggml_tensor * f_rows      = nullptr;
+    ggml_tensor * f_pos       = nullptr;
+    ggml_tensor * f_cells     = nullptr;
+    ggml_tensor * f_cells_swa = nullptr;
+    ggml_tensor * f_vidx      = nullptr; // transposed V: one index per element
+    ggml_tensor * f_vidx_swa  = nullptr;
+    ggml_tensor * r_src_rows  = nullptr;
+    ggml_tensor * r_rows      = nullptr;
+
+private:
+    struct input_set {
+        ggml_tensor * t;
+        const void  * data;
+        size_t        nbytes;
+    };
+    std::vector<input_set> sets;
+};
+
+static llm_graph_input_ridgefill * rf_inputs(const llm_graph_context & g) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf->inp == nullptr) {
+        auto inp = std::make_unique<llm_graph_input_ridgefill>(*rf);
+        rf->inp = (llm_graph_input_ridgefill *) g.res->add_input(std::move(inp));
+    }
+    return rf->inp;
+}
+
+ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
+    const llama_ridgefill_graph * rf = g.rf;
+    GGML_ASSERT(llama_ridgefill_is_late(rf) && rf->src);
+    GGML_ASSERT(rf->src_rows.size() == g.ubatch.n_tokens);
+
+    auto * inp = rf_inputs(g);
+    ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->src_rows.size(), rf->src_rows.data(), "ridgefill_src_rows");
+
+    ggml_tensor * cur = ggml_get_rows(g.ctx0, rf->src, rows);
+    g.cb(cur, "ridgefill_inp", -1);
+    return cur;
+}
+
+bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor * inpL) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (!llama_ridgefill_stops_early(rf, g.n_layer) || il != rf->il_end) {
+        return false;
+    }
+    GGML_ASSERT(rf->dst && rf->dst_rows.size() == g.ubatch.n_tokens);
+
+    auto * inp = rf_inputs(g);
+    ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->dst_rows.size(), rf->dst_rows.data(), "ridgefill_dst_rows");
+
+    ggml_tensor * x = inpL->type == rf->dst->type ? inpL : ggml_cast(g.ctx0, inpL, rf->dst->type);
+    ggml_build_forward_expand(g.gf, ggml_set_rows(g.ctx0, rf->dst, x, rows));
+    return true;
+}
+
+//
+// the K/V path of a layer: attention norm -> K, V projections (+ biases) -> k-norm -> RoPE, exactly as
+// the model builders compute it, for rows of predicted inputs x [n_embd, n] at positions pos [n]
+//
+
+static void rf_build_kv(
+        const llm_graph_context & g,
+                            int   il,
+                    ggml_tensor * x,
+                    ggml_tensor * pos,
+                    ggml_tensor ** k_out,
+                    ggml_tensor ** v_out) {
+    const llama_model   & model   = *g.rf->model;
+    const llama_hparams & hparams = g.hparams;
+    const llama_layer   & layer   = model.layers[il];
+    ggml_context        * ctx0    = g.ctx0;
+
+    const int64_t n         = x->ne[1];
+    const int64_t n_head    = hparams.n_head(il);
+    const int64_t n_head_kv = hparams.n_head_kv(il);
+    const int64_t d_k       = hparams.n_embd_head_k(il);
+    const int64_t d_v       = hparams.n_embd_head_v(il);
+
+    ggml_tensor * cur = g.build_norm(x, layer.attn_norm, nullptr, LLM_NORM_RMS, il);
+
+    ggml_tensor * k = nullptr;
+    ggml_tensor * v = nullptr;
+
+    if (layer.wqkv) {
+        // fused QKV: the whole projection (keeps adapters and scales right), then the K and V parts
+        ggml_tensor * qkv = g.build_lora_mm(layer.wqkv, cur, layer.wqkv_s);
+        if (layer.wqkv_b) {
+            qkv = ggml_add(ctx0, qkv, layer.wqkv_b);
+        }
+        const size_t es = ggml_element_size(qkv);
+        k = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_k*n_head_kv, n, qkv->nb[1], es*d_k*n_head));
+        v = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_v*n_head_kv, n, qkv->nb[1], es*(d_k*n_head + d_k*n_head_kv)));
+    } else {
+        k = g.build_lora_mm(layer.wk, cur, layer.wk_s);
+        if (layer.wk_b) {
+            k = ggml_add(ctx0, k, layer.wk_b);
+        }
+        if (v_out) {
+            v = g.build_lora_mm(layer.wv, cur, layer.wv_s);
+            if (layer.wv_b) {
+                v = ggml_add(ctx0, v, layer.wv_b);
+            }
+        }
+    }
+
+    if (hparams.f_clamp_kqv > 0.0f) {
+        k = ggml_clamp(ctx0, k, -hparams.f_clamp_kqv, hparams.f_clamp_kqv);
+        if (v) {
+            v = ggml_clamp(ctx0, v, -hparams.f_clamp_kqv, hparams.f_clamp_kqv);
+        }
+    }
+
+    if (v_out) {
+        *v_out = ggml_reshape_3d(ctx0, v, d_v, n_head_kv, n);
+    }
+    if (!k_out) {
+        return;
+    }
+
+    k = ggml_reshape_3d(ctx0, k, d_k, n_head_kv, n);
+
+    switch (model.arch) {
+        case LLM_ARCH_LLAMA:
+            {
+                ggml_tensor * rope_factors = model.get_rope_factors(g.cparams, il);
+                k = ggml_rope_ext(ctx0, k, pos, rope_factors,
+                        g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
+                        g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                if (hparams.use_kq_norm) {
+                    k = ggml_rms_norm(ctx0, k, hparams.f_norm_rms_eps);
+                }
+            } break;
+        case LLM_ARCH_QWEN3:
+            {
+                k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
+                k = ggml_rope_ext(ctx0, k, pos, nullptr,
+                        g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
+                        g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+            } break;
+        case LLM_ARCH_GEMMA3:
+            {
+                const bool iswa = hparams.swa_type == LLAMA_SWA_TYPE_STANDARD;
+                const float freq_base_l  = iswa ? model.get_rope_freq_base (g.cparams, il) : g.freq_base;
+                const float freq_scale_l = iswa ? model.get_rope_freq_scale(g.cparams, il) : g.freq_scale;
+                k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
+                k = ggml_rope_ext(ctx0, k, pos, nullptr,
+                        g.n_rot, g.rope_type, g.n_ctx_orig, freq_base_l, freq_scale_l,
+                        g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+            } break;
+        default:
+            GGML_ABORT("ridgefill: no K/V path for architecture %s", llm_arch_name(model.arch));
+    }
+
+    *k_out = k;
+}
+
+// per-KV-head mean L2 norm over the rows of v [d_v, n_head_kv, n] -> [1, n_head_kv]
+static ggml_tensor * rf_mean_head_norm(ggml_context * ctx0, ggml_tensor * v) {
+    const int64_t n = v->ne[2];
+    ggml_tensor * nrm = ggml_sqrt(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, v)));   // [1, n_head_kv, n]
+    nrm = ggml_cont(ctx0, ggml_permute(ctx0, nrm, 1, 2, 0, 3));                     // [n, 1, n_head_kv]
+    nrm = ggml_sum_rows(ctx0, nrm);                                                 // [1, 1, n_head_kv]
+    nrm = ggml_reshape_2d(ctx0, nrm, 1, v->ne[1]);
+    return ggml_scale(ctx0, nrm, 1.0f/float(n));
+}
+
+// early phase: the selector query rows' attention at this layer, summed over heads and rows, added
+// to the scores of the cells (k: the layer's cache view, which already holds this ubatch's keys)
+static void rf_build_selector(
+        const llm_graph_context & g,
+   const llama_kv_cache_context * mctx,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * q_cur,
+                          float   kq_scale,
+                            int   il) {
+    const llama_ridgefill_graph * rf = g.rf;
+    ggml_context * ctx0 = g.ctx0;
+
+    auto * inp = rf_inputs(g);
+    ggml_tensor * ids = inp->add(ctx0, GGML_TYPE_I32, rf->sel_ids.size(), rf->sel_ids.data(), "ridgefill_sel_ids");
+
+    const int64_t n_sel = rf->sel_ids.size();
+    const int64_t d_k   = q_cur->ne[0];
+    const int64_t n_q_h = q_cur->ne[1];
+
+    ggml_tensor * q = ggml_is_contiguous(q_cur) ? q_cur : ggml_cont(ctx0, q_cur);
+    q = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, q, d_k*n_q_h, q->ne[2]), ids);   // [d_k*n_head, n_sel]
+    q = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q, d_k, n_q_h, n_sel), 0, 2, 1, 3); // [d_k, n_sel, n_head]
+
+    ggml_tensor * k = ggml_permute(ctx0, mctx->get_k(ctx0, il), 0, 2, 1, 3);        // [d_k, n_kv, n_head_kv]
+    const int64_t n_kv = k->ne[1];
+
+    ggml_tensor * kq = ggml_mul_mat(ctx0, k, q);                                     // [n_kv, n_sel, n_head]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+
+    ggml_tensor * mask = ggml_view_2d(ctx0, kq_mask, kq_mask->ne[0], kq_mask->ne[1], kq_mask->nb[1], 0);
+    mask = ggml_get_rows(ctx0, mask, ids);                                           // [n_kv, n_sel] F32
+    if (mask->type != GGML_TYPE_F32) {
+        mask = ggml_cast(ctx0, mask, GGML_TYPE_F32);
+    }
+    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, 0.0f);
+
+    p = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, p, n_kv, n_sel*n_q_h))); // [n_sel*n_head, n_kv]
+    p = ggml_reshape_1d(ctx0, ggml_sum_rows(ctx0, p), n_kv);
+
+    ggml_tensor * dst = ggml_view_1d(ctx0, rf->scores, n_kv, 0);
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx0, ggml_add(ctx0, dst, p), dst));
+}
+
+// late phase: the value scale of layer il, then the filled rows' K/V into their cells
+static void rf_build_fill(
+        const llm_graph_context & g,
+   const llama_kv_cache_context * mctx,
+                    ggml_tensor * k_rot,
+                    ggml_tensor * v_rot,
+                            int   il) {
+    const llama_ridgefill_graph * rf = g.rf;
+    const llama_hparams & hparams = g.hparams;
+    ggml_context * ctx0 = g.ctx0;
+
+    auto * inp = rf_inputs(g);
+
+    const int64_t n_head_kv = hparams.n_head_kv(il);
+
+    // (a) s_{l,h} = mean ||V(x_l)|| / mean ||V(x̂_l)|| over the value-scale rows, both through the
+    //     layer's own V path (the one the cache stores, before any rotation: it keeps norms)
+    ggml_tensor * scale = nullptr;
+    if (!rf->r_rows.empty()) {
+        inp->r_src_rows = inp->add(ctx0, GGML_TYPE_I32, rf->r_src_rows.size(), rf->r_src_rows.data(), "ridgefill_r_src_rows");
+        inp->r_rows     = inp->add(ctx0, GGML_TYPE_I32, rf->r_rows.size(),     rf->r_rows.data(),     "ridgefill_r_rows");
+
+        ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, inp->r_src_rows);
+        ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->r_rows));
+
+        ggml_tensor * ve = nullptr;
+        ggml_tensor * vp = nullptr;
+        rf_build_kv(g, il, xe, nullptr, nullptr, &ve);
+        rf_build_kv(g, il, xp, nullptr, nullptr, &vp);
+
+        ggml_tensor * num = rf_mean_head_norm(ctx0, ve);
+        ggml_tensor * den = ggml_clamp(ctx0, rf_mean_head_norm(ctx0, vp), FLT_MIN, FLT_MAX);
+        scale = ggml_div(ctx0, num, den);                 // [1, n_head_kv]
+        ggml_set_name(scale, "ridgefill_v_scale");
+        ggml_set_output(scale);
+        ggml_build_forward_expand(g.gf, scale);
+        rf->v_scale = scale;
+        scale = ggml_reshape_3d(ctx0, scale, 1, n_head_kv, 1);
+    }
+
+    // (b) the filled rows, in chunks
+    const int64_t n_f = rf->f_rows.size();
+    if (n_f == 0) {
+        return;
+    }
+    const bool swa = hparams.is_swa(il) && !rf->f_cells_swa.empty();
+    if (!inp->f_rows) {
+        inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->f_rows.data(), "ridgefill_f_rows");
+        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->f_pos.data(),  "ridgefill_f_pos");
+    }
+    ggml_tensor *& cells = swa ? inp->f_cells_swa : inp->f_cells;
+    if (!cells) {
+        const auto & data = swa ? rf->f_cells_swa : rf->f_cells;
+        cells = inp->add(ctx0, GGML_TYPE_I64, n_f, data.data(), swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
+    }
+
+    // a transposed V cache (no flash attention) is written element by element
+    const bool v_trans = !rf->f_vidx.empty();
+    const int64_t n_embd_v = v_trans ? (int64_t) (rf->f_vidx.size()/n_f) : 0;
+    if (v_trans) {
+        ggml_tensor *& vidx = swa ? inp->f_vidx_swa : inp->f_vidx;
+        if (!vidx) {
+            const auto & data = swa ? rf->f_vidx_swa : rf->f_vidx;
+            vidx = inp->add(ctx0, GGML_TYPE_I64, data.size(), data.data(), swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
+        }
+    }
+
+    for (int64_t i0 = 0; i0 < n_f; i0 += rf->n_chunk) {
+        const int64_t nc = std::min<int64_t>(rf->n_chunk, n_f - i0);
+
+        ggml_tensor * rows = ggml_view_1d(ctx0, inp->f_rows, nc, i0*ggml_element_size(inp->f_rows));
+        ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc, i0*ggml_element_size(inp->f_pos));
+        ggml_tensor * kidx = ggml_view_1d(ctx0, cells,       nc, i0*ggml_element_size(cells));
+
+        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, rows));
+
+        ggml_tensor * k = nullptr;
+        ggml_tensor * v = nullptr;
+        rf_build_kv(g, il, x, pos, &k, &v);
+
+        if (scale) {
+            v = ggml_mul(ctx0, v, scale);
+        }
+        if (k_rot) {
+            k = llama_mul_mat_hadamard(ctx0, k, k_rot);
+        }
+        if (v_rot) {
+            v = llama_mul_mat_hadamard(ctx0, v, v_rot);
+        }
+
+        ggml_tensor * vidx = kidx;
+        if (v_trans) {
+            ggml_tensor * all = swa ? inp->f_vidx_swa : inp->f_vidx;
+            vidx = ggml_view_1d(ctx0, all, nc*n_embd_v, i0*n_embd_v*ggml_element_size(all));
+        }
+
+        ggml_build_forward_expand(g.gf, mctx->cpy_k(ctx0, k, kidx, il));
+        ggml_build_forward_expand(g.gf, mctx->cpy_v(ctx0, v, vidx, il));
+    }
+}
+
+void llama_ridgefill_build_attn(
+        const llm_graph_context & g,
+   const llama_kv_cache_context * mctx,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * k_rot,
+                    ggml_tensor * v_rot,
+                    ggml_tensor * q_cur,
+                          float   kq_scale,
+                            int   il) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf == nullptr) {
+        return;
+    }
+    if (il == rf->sel_layer && !rf->sel_ids.empty()) {
+        rf_build_selector(g, mctx, kq_mask, q_cur, kq_scale, il);
+    }
+    if (il == rf->fill_layer) {
+        rf_build_fill(g, mctx, k_rot, v_rot, il);
+    }
+}

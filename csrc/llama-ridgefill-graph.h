@@ -1,0 +1,111 @@
+// RidgeFill inside the model graphs: what a graph of a planned prompt computes, and the hooks the
+// model builders and llm_graph_context::build_attn call (DESIGN §4, §6).
+//
+// A planned prompt is processed in two phases:
+//   early - inside the ordinary llama_decode() calls, however the caller chunks the prompt: every row
+//           runs layers 0..S-1 only; the input of layer S (x_S) is stored per row in `xs`; the last
+//           rows of the prompt add their attention at the selector layer to `scores`;
+//   late  - once, by the decode call that brought the last row, layer-major: for each late layer l,
+//           for each chunk of the exact rows X (tail and selected rows, in position order), a graph
+//           runs layer l on the chunk, carrying the rows' states in `xx`. In the first chunk's graph,
+//           before the attention, the hook in build_attn measures the value scale on the tail rows
+//           and writes the filled rows' K/V (x̂ = A φ(x_S) + b → the layer's K/V path → V · s).
+#pragma once
+
+#include "llama-graph.h"
+
+#include <cstdint>
+#include <vector>
+
+struct llama_model;
+struct llama_ridgefill_maps;
+class  llama_kv_cache_context;
+
+struct llm_graph_input_ridgefill;
+
+// the RidgeFill part of one graph's parameters (llm_graph_params::ridgefill); owned by the
+// llama_ridgefill_context, alive while the graph is built and its inputs are set.
+//
+//   early phase: layers [0, S) of a ubatch of planned rows; the input of layer S is stored in xs
+//   late phase:  layer l of a chunk of the exact rows: layers [l, l+1), input gathered from xs (l = S)
+//                or from the carried states xx, output stored into xx; the last layer ends with the
+//                logits of the chunk's last row. The first chunk of layer l also fills layer l.
+struct llama_ridgefill_graph {
+    const llama_model          * model = nullptr;
+    const llama_ridgefill_maps * maps  = nullptr; // nullptr: identity fill (x̂ = x_S)
+
+    int32_t split = 0;    // S
+
+    ggml_tensor * xs = nullptr; // [n_embd, n_ctx] F32, persistent: x_S of planned row (pos - pos0)
+    ggml_tensor * xx = nullptr; // [n_embd, n_ctx] F32, persistent: current input of exact row i
+
+    // the layers this graph runs: [il_begin, il_end); il_begin > 0 gathers the rows' inputs of layer
+    // il_begin from src at src_rows, il_end < n_layer stores the inputs of layer il_end into dst at
+    // dst_rows (and the graph has no output)
+    int32_t il_begin = 0;
+    int32_t il_end   = 0;
+    ggml_tensor * src = nullptr;
+    ggml_tensor * dst = nullptr;
+    std::vector<int32_t> src_rows; // [n_tokens]
+    std::vector<int32_t> dst_rows; // [n_tokens]
+
+    // attention selector (early phase): the query rows' attention at sel_layer is added to scores
+    int32_t       sel_layer = -1;   // -1: none in this graph
+    ggml_tensor * scores = nullptr; // [n_cells] F32, persistent: selector score per cell
+    std::vector<int32_t> sel_ids;   // ubatch rows among the selector's query rows
+
+    // fill (late phase): at layer fill_layer, the value scale then the filled rows' K/V
+    int32_t fill_layer = -1;          // -1: none in this graph
+    std::vector<int32_t> f_rows;      // [|F|] xs row of each filled row
+    std::vector<int32_t> f_pos;       // [|F|] position of each filled row
+    std::vector<int64_t> f_cells;     // [|F|] cell of each filled row in the full-attention cache
+    std::vector<int64_t> f_cells_swa; // [|F|] ... in the sliding-window cache (iSWA models)
+    std::vector<int64_t> f_vidx;      // transposed V cache (no flash attention): [|F| * n_embd_v_gqa]
+    std::vector<int64_t> f_vidx_swa;  //   element indices, empty otherwise
+    int32_t n_chunk = 512;            // filled rows per fill step
+    ggml_tensor * r_src = nullptr;    // value-scale rows (the first min(c, T) tail rows): their exact
+    std::vector<int32_t> r_src_rows;  //   inputs of the layer (rows of r_src: xs at l = S, else xx)
+    std::vector<int32_t> r_rows;      //   and their xs rows; empty: no value scale
+
+    // set while the graph is built: its inputs, and the value-scale tensor to read back
+    mutable llm_graph_input_ridgefill * inp = nullptr;
+    mutable ggml_tensor * v_scale = nullptr; // [1, n_head_kv]
+};
+
+// the first layer a builder runs
+static inline int llama_ridgefill_first_layer(const llama_ridgefill_graph * rf) {
+    return rf ? rf->il_begin : 0;
+}
+
+// whether the builder starts past layer 0, from llama_ridgefill_build_inp
+static inline bool llama_ridgefill_is_late(const llama_ridgefill_graph * rf) {
+    return rf && rf->il_begin > 0;
+}
+
+// whether the graph stops before the last layer (it then has no outputs)
+static inline bool llama_ridgefill_stops_early(const llama_ridgefill_graph * rf, int n_layer) {
+    return rf && rf->il_end < n_layer;
+}
+
+// the rows' inputs of layer il_begin, gathered from src ([n_embd, n_tokens])
+ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g);
+
+// at il == il_end < n_layer: store inpL (the rows' inputs of layer il) into dst and return true - the
+// builder then returns, so the graph has no later layers and no output; false otherwise
+bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor * inpL);
+
+// called by build_attn after the ubatch's own K/V are stored, before attention reads the cache:
+//   il == sel_layer:  add the selector query rows' attention probabilities (summed over heads and
+//                     rows) to `scores`
+//   il == fill_layer: the value scale s_{l,h} from the value-scale rows, then the filled rows' K/V
+//                     written to their cells
+// q_cur: [n_embd_head, n_head, n_tokens] as build_attn uses it (after rotation)
+void llama_ridgefill_build_attn(
+        const llm_graph_context & g,
+   const llama_kv_cache_context * mctx,
+                    ggml_tensor * kq_mask,
+                    ggml_tensor * k_rot,
+                    ggml_tensor * v_rot,
+                    ggml_tensor * q_cur,
+                          float   kq_scale,
+                            int   il);

@@ -1,0 +1,267 @@
+"""Filled-row prefill from Python: :class:`RidgeFill` settings and the :class:`Llama` that uses them.
+
+``Llama`` is llama-cpp-python's ``Llama`` with one more keyword, ``ridgefill``. With
+``ridgefill=None`` (the default) it *is* llama-cpp-python's class, untouched. Otherwise every prompt
+of at least ``min_prompt`` new rows is prefilled by libllama's RidgeFill path (DESIGN §4-§6): the
+early layers run on every row in the ordinary decode calls, the late layers run on the exact rows
+only, the filled rows' K/V come from the ridge maps. Everything else (completion, chat, streaming,
+``generate``, ``eval``, prefix reuse, ``reset``, ``save_state`` / ``load_state``) is unchanged:
+generated tokens run every layer.
+
+>>> llm = Llama("model.gguf", n_ctx=8192, ridgefill=RidgeFill("model.ridgefill.gguf", tail=64))
+>>> out = llm("...a long prompt...", max_tokens=64)
+>>> llm.ridgefill_stats["ceiling"]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import llama_cpp
+
+from . import _native as N
+from .gguf_model import read_model_info
+from .native_maps import NativeMaps
+
+#: selectors by name (DESIGN §5); a sequence of positions is the explicit selector
+SELECTORS = {"attention": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION, "none": N.LLAMA_RIDGEFILL_SELECTOR_NONE}
+
+
+@dataclass(frozen=True)
+class RidgeFill:
+    """How to prefill long prompts (DESIGN §4-§5).
+
+    ``maps``: the map file written by ``ridgefill-gguf fit`` (None: identity fill, x̂ = x_S, which
+    needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
+    exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``selector``:
+    ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
+    full-attention layer below S), ``"none"``, or a list of absolute positions that stay exact.
+    ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
+    ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the
+    attention selector's layer (default: the last full-attention layer below S).
+    ``fill_chunk``: filled rows per fill step (0: ``n_ubatch``).
+    """
+
+    maps: str | os.PathLike | None = None
+    split: int | None = None
+    tail: int = 64
+    exact_fraction: float = 0.10
+    selector: str | Sequence[int] = "attention"
+    value_rescale: int = 512
+    min_prompt: int = 1024
+    n_queries: int = 64
+    selector_layer: int | None = None
+    fill_chunk: int = 0
+    positions: tuple[int, ...] = field(default=(), init=False, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.selector, str):
+            if self.selector not in SELECTORS:
+                raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions")
+        else:
+            try:
+                pos = tuple(sorted({int(p) for p in self.selector}))
+            except TypeError as e:
+                raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions") from e
+            if any(p < 0 for p in pos):
+                raise ValueError("selector positions must be >= 0")
+            object.__setattr__(self, "positions", pos)
+            object.__setattr__(self, "selector", "positions")
+        if self.maps is None and self.split is None:
+            raise ValueError("identity fill needs a split: RidgeFill.identity(split=S)")
+        if self.split is not None and self.split < 1:
+            raise ValueError(f"split {self.split} must be >= 1")
+        if self.tail < 1:
+            raise ValueError(f"tail {self.tail}: at least the last prompt row must be exact (tail >= 1)")
+        if not (isinstance(self.exact_fraction, (int, float)) and 0.0 <= self.exact_fraction <= 1.0):
+            raise ValueError(f"exact_fraction {self.exact_fraction!r} outside [0, 1]")
+        if self.value_rescale < 0:
+            raise ValueError(f"value_rescale {self.value_rescale} must be >= 0 (0: off)")
+        if self.min_prompt < 0:
+            raise ValueError(f"min_prompt {self.min_prompt} must be >= 0")
+        if self.n_queries < 1:
+            raise ValueError(f"n_queries {self.n_queries} must be >= 1")
+        if self.fill_chunk < 0:
+            raise ValueError(f"fill_chunk {self.fill_chunk} must be >= 0")
+
+    @classmethod
+    def identity(cls, split: int, **kwargs: Any) -> "RidgeFill":
+        """Identity fill at split S (no map file): x̂_l = x_S for every late layer."""
+        return cls(None, split=split, **kwargs)
+
+    def params(self) -> N.llama_ridgefill_params:
+        """The C parameters (``split_layer`` -1: the map file's)."""
+        p = N.llama_ridgefill_default_params()
+        p.split_layer = -1 if self.split is None else int(self.split)
+        p.n_tail = int(self.tail)
+        p.exact_fraction = float(self.exact_fraction)
+        p.selector = SELECTORS.get(self.selector, N.LLAMA_RIDGEFILL_SELECTOR_NONE)
+        p.n_sel_queries = int(self.n_queries)
+        p.sel_layer = -1 if self.selector_layer is None else int(self.selector_layer)
+        p.n_rescale = int(self.value_rescale)
+        p.min_prompt = int(self.min_prompt)
+        p.n_fill_chunk = int(self.fill_chunk)
+        return p
+
+
+def _last_error() -> str:
+    return N.llama_ridgefill_last_error().decode(errors="replace")
+
+
+class Llama(llama_cpp.Llama):
+    """llama-cpp-python's ``Llama`` with ``ridgefill=`` (a :class:`RidgeFill`, or a map file path
+    for the defaults). ``ridgefill=None`` is the stock class's behaviour, bit for bit.
+
+    After a prompt has been evaluated, :attr:`ridgefill_stats` describes its prefill (empty when
+    it ran stock: no RidgeFill, or a prompt shorter than ``min_prompt`` or the tail).
+    """
+
+    def __init__(self, model_path: str, *args: Any, ridgefill: RidgeFill | str | os.PathLike | None = None,
+                 **kwargs: Any):
+        self._rf: RidgeFill | None = None
+        self._rf_maps: NativeMaps | None = None
+        self._rf_attached = False
+        self.ridgefill_stats: dict[str, Any] = {}
+        self._info = read_model_info(model_path)
+        if ridgefill is None:
+            super().__init__(model_path, *args, **kwargs)
+            return
+
+        rf = ridgefill if isinstance(ridgefill, RidgeFill) else RidgeFill(ridgefill)
+        if kwargs.get("logits_all"):
+            raise ValueError("RidgeFill computes the logits of the last prompt row only: logits_all=True is not supported")
+        if kwargs.get("embedding"):
+            raise ValueError("RidgeFill prefill does not apply to embedding contexts (embedding=True)")
+        if self._info.architecture == "gemma3" and kwargs.get("swa_full") is None:
+            # sliding-window layers of filled and exact rows need every cell of the prompt kept
+            kwargs["swa_full"] = True
+
+        super().__init__(model_path, *args, **kwargs)
+        try:
+            if rf.maps is not None:
+                self._rf_maps = NativeMaps(self._model.model, rf.maps, split=rf.split, model_path=model_path)
+            rc = N.llama_ridgefill_attach(self._ctx.ctx, self._rf_maps.handle if self._rf_maps else None, rf.params())
+            if rc != 0:
+                raise ValueError(f"RidgeFill: {_last_error()}")
+        except Exception:
+            if self._rf_maps is not None:
+                self._rf_maps.close()
+            self.close()
+            raise
+        self._rf = rf
+        self._rf_attached = True
+        # detach before the context is freed, then free the maps (the exit stack unwinds in reverse)
+        self._stack.callback(self._ridgefill_release)
+
+    def _ridgefill_release(self) -> None:
+        if self._rf_attached and self._ctx is not None and self._ctx.ctx is not None:
+            N.llama_ridgefill_detach(self._ctx.ctx)
+        self._rf_attached = False
+        if self._rf_maps is not None:
+            self._rf_maps.close()
+            self._rf_maps = None
+
+    @property
+    def ridgefill(self) -> RidgeFill | None:
+        """The RidgeFill settings in use (None: stock prefill)."""
+        return self._rf
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        rf = self._rf
+        tokens = list(tokens)
+        if rf is None or len(tokens) <= 1:
+            # no RidgeFill, or a generated token: every layer runs
+            return super().eval(tokens)
+
+        ctx = self._ctx.ctx
+        pos0 = self.n_tokens
+        pos_end = pos0 + len(tokens)
+        self.ridgefill_stats = {}
+        planned = N.llama_ridgefill_begin(ctx, 0, pos0, pos_end)
+        if planned < 0:
+            raise RuntimeError(f"RidgeFill: {_last_error()}")
+        if planned and rf.selector == "positions":
+            pos = (ctypes.c_int32 * len(rf.positions))(*rf.positions)
+            if N.llama_ridgefill_set_exact(ctx, pos, len(rf.positions)) != 0:
+                N.llama_ridgefill_cancel(ctx)
+                raise ValueError(f"RidgeFill: {_last_error()}")
+
+        t0 = time.perf_counter()
+        try:
+            super().eval(tokens)
+        except BaseException:
+            if planned:
+                N.llama_ridgefill_cancel(ctx)
+            raise
+        if planned:
+            self.ridgefill_stats = self._read_stats((time.perf_counter() - t0) * 1000.0)
+
+    def _read_stats(self, prefill_ms: float) -> dict[str, Any]:
+        ctx = self._ctx.ctx
+        s = N.llama_ridgefill_stats()
+        if N.llama_ridgefill_get_stats(ctx, ctypes.byref(s)) != 0 or not s.active:
+            return {}
+        n = N.llama_ridgefill_get_exact(ctx, None, 0)
+        exact = (ctypes.c_int32 * max(n, 1))()
+        N.llama_ridgefill_get_exact(ctx, exact, n)
+        return {
+            "n_prompt": s.n_prompt,
+            "pos0": s.pos0,
+            "n_layer": s.n_layer,
+            "split": s.split_layer,
+            "tail": s.n_tail,
+            "n_filled": s.n_filled,
+            "n_exact": s.n_exact,
+            "exact_positions": list(exact[:n]),
+            "selector_layer": s.sel_layer,
+            "value_scale_rows": s.n_scale_rows,
+            "ceiling": float(s.ceiling),
+            "late_ms": float(s.t_late_ms),
+            "prefill_ms": prefill_ms,
+        }
+
+    def ridgefill_value_scales(self) -> list[list[float]]:
+        """s_{l,h} of the last RidgeFill prefill, one row per late layer S..L-1 (1 where not measured)."""
+        ctx = self._ctx.ctx
+        n = N.llama_ridgefill_get_value_scales(ctx, None, 0)
+        if n <= 0 or not self.ridgefill_stats:
+            return []
+        buf = (ctypes.c_float * n)()
+        N.llama_ridgefill_get_value_scales(ctx, buf, n)
+        n_late = self.ridgefill_stats["n_layer"] - self.ridgefill_stats["split"]
+        per = n // max(n_late, 1)
+        return [list(buf[i * per:(i + 1) * per]) for i in range(n_late)]
+
+    def ridgefill_scores(self) -> list[float]:
+        """The attention selector's scores of the last RidgeFill prefill, one per prompt row (empty when
+        no scores were measured)."""
+        ctx = self._ctx.ctx
+        n = N.llama_ridgefill_get_scores(ctx, None, 0)
+        if n <= 0:
+            return []
+        buf = (ctypes.c_float * n)()
+        N.llama_ridgefill_get_scores(ctx, buf, n)
+        return list(buf)
+
+    def read_kv(self, layer: int, positions: Sequence[int]):
+        """K and V cache rows of ``layer`` at ``positions`` (sequence 0) as float32 arrays
+        [n, n_embd_k_gqa] and [n, n_embd_v_gqa]: what the prefill wrote. For tests and tools."""
+        import numpy as np
+
+        n = len(positions)
+        n_embd_gqa = self._info.n_head_kv * self._info.head_dim
+        k = np.empty((n, n_embd_gqa), dtype=np.float32)
+        v = np.empty((n, n_embd_gqa), dtype=np.float32)
+        pos = (ctypes.c_int32 * max(n, 1))(*positions)
+        f = ctypes.POINTER(ctypes.c_float)
+        rc = N.llama_ridgefill_read_kv(self._ctx.ctx, layer, 0, pos, n, k.ctypes.data_as(f), v.ctypes.data_as(f))
+        if rc != 0:
+            raise ValueError(_last_error())
+        return k, v
+
+
+__all__ = ["Llama", "RidgeFill", "SELECTORS"]
