@@ -157,6 +157,10 @@ class Llama(llama_cpp.Llama):
         # detach before the context is freed, then free the maps (the exit stack unwinds in reverse)
         self._stack.callback(self._ridgefill_release)
 
+    def close(self) -> None:
+        if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama-cpp-python ran
+            super().close()
+
     def _ridgefill_release(self) -> None:
         if self._rf_attached and self._ctx is not None and self._ctx.ctx is not None:
             N.llama_ridgefill_detach(self._ctx.ctx)

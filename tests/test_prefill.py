@@ -1,0 +1,372 @@
+"""Filled-row prefill in libllama (``Llama(..., ridgefill=...)``) against the reference of DESIGN §4
+(``ridgefill_cpp.oracle.fill``) on the same GGUF weights, for every supported architecture.
+
+The tiny models store F32 weights and the contexts keep F32 K/V without flash attention (the CPU
+flash-attention kernel rounds K/V to F16), so llama.cpp and the float64 oracle agree to float32
+rounding: the exact forward already differs by ~1e-6 (llama, qwen3) and ~1e-4 (gemma3, whose
+GELU uses an F16 table in llama.cpp). The tolerances below sit a little above those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import make_tiny_models as mtm
+
+import ridgefill_cpp  # first: llama_cpp then loads the patched libraries
+import llama_cpp  # noqa: E402
+from ridgefill_cpp import Llama, RidgeFill, corpus
+from ridgefill_cpp import _native as N
+from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.mapfile import read_map_file, write_map_file
+from ridgefill_cpp.oracle import load_oracle
+from ridgefill_cpp.oracle.fill import attention_scores, default_selector_layer, fill_forward, select_exact_rows
+
+DENSE = ("llama", "qwen3", "gemma3")
+N_TOKENS = 160
+TAIL = 16
+TOL = {"llama": 2e-5, "qwen3": 2e-5, "gemma3": 2e-3}
+F32 = 0  # GGML_TYPE_F32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def oracles(tiny_models):
+    return {arch: load_oracle(tiny_models[arch], dtype=torch.float64) for arch in DENSE}
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_models) -> list[int]:
+    text = "\n".join(d.text for _, d in zip(range(4), corpus.default_documents("evaluation")))
+    llm = llama_cpp.Llama(model_path=str(tiny_models["llama"]), vocab_only=True, verbose=False)
+    try:
+        ids = llm.tokenize(text.encode(), add_bos=True)
+    finally:
+        llm.close()
+    assert len(ids) >= N_TOKENS
+    return ids[:N_TOKENS]
+
+
+def _split(arch: str, oracle) -> int:
+    return oracle.n_layer // 2
+
+
+@pytest.fixture(scope="module")
+def map_files(tiny_models, oracles, tmp_path_factory):
+    """arch -> F32 map file at S = L/2 (fitted on llama.cpp's hidden states of calibration text)."""
+    root = tmp_path_factory.mktemp("prefill-maps")
+    out = {}
+    for arch in DENSE:
+        res = fit_ridge_maps(tiny_models[arch], corpus.default_documents("calibration"),
+                             FitOptions(n_tokens=4000, ctx=128, split=_split(arch, oracles[arch]), n_threads=1))
+        out[arch] = write_map_file(root / f"{arch}.ridgefill.gguf", res.maps, dtype="f32")
+    return out
+
+
+def _ctx_kwargs(**kw):
+    base = dict(n_ctx=256, n_batch=256, n_ubatch=64, n_threads=1, n_threads_batch=1, verbose=False,
+                flash_attn=False, type_k=F32, type_v=F32)
+    base.update(kw)
+    return base
+
+
+def _last_logits(llm) -> np.ndarray:
+    n_vocab = llm.n_vocab()
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).copy()
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _stock_logits(path, tokens, **kw) -> np.ndarray:
+    llm = Llama(str(path), **_ctx_kwargs(**kw))
+    try:
+        llm.eval(tokens)
+        return _last_logits(llm)
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# agreement with the oracle: last-row logits, filled K/V rows, value scales
+
+
+CASES = [
+    # maps, value_rescale, n_prompt, tail, n_ubatch, n_batch (decode calls per eval), exact fraction
+    ("ridge", 512, N_TOKENS, TAIL, 64, 256, 0.10),
+    ("ridge", 0, N_TOKENS, TAIL, 16, 48, 0.10),
+    ("identity", 512, N_TOKENS, TAIL, 64, 40, 0.25),
+    ("ridge", 5, 97, 7, 32, 97, 0.0),
+    ("identity", 0, 97, 40, 8, 16, 0.05),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("arch", DENSE)
+def test_prefill_matches_the_oracle(arch, case, tiny_models, oracles, prompt, map_files):
+    kind, c, n, tail, n_ubatch, n_batch, fraction = case
+    o = oracles[arch]
+    S, L = _split(arch, o), o.n_layer
+    tokens = prompt[:n]
+    exact = select_exact_rows(attention_scores(o, tokens, default_selector_layer(o, S)), n - tail, fraction)
+    maps = read_map_file(map_files[arch]) if kind == "ridge" else None
+    ref = fill_forward(o, tokens, split=S, maps=maps, tail=tail, exact_positions=exact, value_rescale=c)
+
+    rf = RidgeFill(map_files[arch] if kind == "ridge" else None, split=S, tail=tail, selector=exact,
+                   value_rescale=c, min_prompt=0)
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=n_batch))
+    try:
+        llm.eval(tokens)
+        st = llm.ridgefill_stats
+        assert st["n_prompt"] == n and st["split"] == S and st["tail"] == tail
+        assert st["exact_positions"] == exact and st["n_exact"] == len(exact)
+        assert st["n_filled"] == n - tail - len(exact) > 0
+        assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
+
+        tol = TOL[arch]
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < tol
+
+        scales = np.array(llm.ridgefill_value_scales())
+        assert scales.shape == (L - S, o.n_head_kv)
+        np.testing.assert_allclose(scales, ref.value_scales.numpy(), rtol=tol, atol=0)
+        if c:
+            assert np.abs(scales[1:] - 1).max() > 1e-3  # the scale did something past S
+
+        positions = list(range(n))
+        for il in range(L):
+            k, v = llm.read_kv(il, positions)
+            assert _rel(k, ref.keys[il].reshape(n, -1).numpy()) < tol, il
+            assert _rel(v, ref.values[il].reshape(n, -1).numpy()) < tol, il
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_attention_selector_matches_the_oracle(arch, tiny_models, oracles, prompt):
+    o = oracles[arch]
+    S = _split(arch, o)
+    layer = default_selector_layer(o, S)
+    ref_scores = attention_scores(o, prompt, layer).numpy()
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill.identity(S, tail=TAIL, min_prompt=0),
+                **_ctx_kwargs(n_ubatch=32, n_batch=64))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        assert st["selector_layer"] == layer
+        scores = np.array(llm.ridgefill_scores())
+        assert scores.shape == (N_TOKENS,)
+        # each of the 64 query rows spreads one unit of probability per head
+        assert scores.sum() == pytest.approx(o.n_head * 64, rel=1e-4)
+        np.testing.assert_allclose(scores, ref_scores, rtol=0, atol=TOL[arch] * ref_scores.max())
+        chosen = select_exact_rows(torch.from_numpy(scores), N_TOKENS - TAIL, 0.10)
+        assert st["exact_positions"] == chosen and len(chosen) == math.ceil(0.1 * (N_TOKENS - TAIL))
+        ref_chosen = select_exact_rows(torch.from_numpy(ref_scores), N_TOKENS - TAIL, 0.10)
+        assert len(set(chosen) & set(ref_chosen)) >= len(ref_chosen) - 1  # at most one near-tie swapped
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_plan_spanning_several_eval_calls(arch, tiny_models, oracles, prompt, map_files):
+    """One plan, the prompt brought by three ``eval`` calls (and several decode calls each)."""
+    o = oracles[arch]
+    S = _split(arch, o)
+    exact = [0, 3, 50, 101]
+    ref = fill_forward(o, prompt, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=exact)
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, selector=exact, min_prompt=0),
+                **_ctx_kwargs(n_batch=32, n_ubatch=16))
+    try:
+        ctx = llm._ctx.ctx
+        assert N.llama_ridgefill_begin(ctx, 0, 0, N_TOKENS) == 1
+        pos = (ctypes.c_int32 * len(exact))(*exact)
+        assert N.llama_ridgefill_set_exact(ctx, pos, len(exact)) == 0
+        for part in (prompt[:70], prompt[70:121], prompt[121:]):
+            llama_cpp.Llama.eval(llm, part)
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_prefix_reuse_plans_only_the_new_rows(arch, tiny_models, oracles, prompt):
+    """A second prompt sharing a prefix with the first: only its new rows are planned (p0 > 0), and
+    generation after a RidgeFill prefill runs every layer."""
+    o = oracles[arch]
+    S = _split(arch, o)
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill.identity(S, tail=8, min_prompt=20),
+                **_ctx_kwargs(n_batch=64, n_ubatch=32))
+    try:
+        llm.eval(prompt[:100])
+        assert llm.ridgefill_stats["pos0"] == 0 and llm.ridgefill_stats["n_prompt"] == 100
+        llm.eval(prompt[100:])  # 60 new rows
+        st = llm.ridgefill_stats
+        assert st["pos0"] == 100 and st["n_prompt"] == N_TOKENS - 100
+        assert all(100 <= p < N_TOKENS - 8 for p in st["exact_positions"])
+        llm.eval(prompt[:5][:1])  # a generated token: every layer, stats untouched
+        assert llm.ridgefill_stats == st
+        out = llm.create_completion(prompt[:40] + prompt[:40], max_tokens=4, temperature=0.0)
+        assert len(out["choices"][0]["text"]) >= 0 and llm.ridgefill_stats["pos0"] == 40
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# degenerate cases (DESIGN §4.6)
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_degenerate_plans_are_bit_identical_to_stock(arch, tiny_models, oracles, prompt):
+    o = oracles[arch]
+    path = tiny_models[arch]
+    stock = _stock_logits(path, prompt)
+    settings = [
+        RidgeFill.identity(o.n_layer, tail=TAIL, min_prompt=0),            # S = L
+        RidgeFill.identity(_split(arch, o), tail=N_TOKENS, min_prompt=0),  # N <= T
+        RidgeFill.identity(_split(arch, o), tail=TAIL, min_prompt=N_TOKENS + 1),  # N < min_prompt
+    ]
+    for rf in settings:
+        llm = Llama(str(path), ridgefill=rf, **_ctx_kwargs())
+        try:
+            llm.eval(prompt)
+            assert llm.ridgefill_stats == {}
+            assert np.array_equal(_last_logits(llm), stock), rf
+        finally:
+            llm.close()
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+@pytest.mark.parametrize("arch", DENSE)
+def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, prompt, map_files):
+    """exact_fraction 1.0, value rescale off: the late phase recomputes every late layer exactly."""
+    o = oracles[arch]
+    kw = dict(flash_attn=flash_attn, n_ubatch=48)
+    if flash_attn:
+        kw.update(type_k=1, type_v=1)  # F16 cache, as flash attention uses it
+    stock = _stock_logits(tiny_models[arch], prompt, **kw)
+    rf = RidgeFill(map_files[arch], tail=TAIL, exact_fraction=1.0, value_rescale=0, min_prompt=0)
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(**kw))
+    try:
+        llm.eval(prompt)
+        assert llm.ridgefill_stats["n_filled"] == 0
+        assert _rel(_last_logits(llm), stock) < 1e-5
+    finally:
+        llm.close()
+
+
+def test_stock_class_is_untouched(tiny_models, prompt):
+    """ridgefill=None is llama-cpp-python's class: same logits and no RidgeFill attached."""
+    path = str(tiny_models["llama"])
+    a = llama_cpp.Llama(path, **_ctx_kwargs())
+    b = Llama(path, **_ctx_kwargs())
+    try:
+        a.eval(prompt)
+        b.eval(prompt)
+        assert np.array_equal(_last_logits(a), _last_logits(b))
+        assert b.ridgefill is None and b.ridgefill_stats == {}
+        assert N.llama_ridgefill_begin(b._ctx.ctx, 0, 0, 10) == -1
+        assert "no RidgeFill attached" in N.llama_ridgefill_last_error().decode()
+    finally:
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: a clear error, and the context stays usable
+
+
+def _usable(llm, path, tokens) -> None:
+    """After an error: a fresh prompt on the same object gives stock logits (RidgeFill off for it)."""
+    llm.reset()
+    llm._ctx.kv_cache_clear()
+    expect = _stock_logits(path, tokens)
+    llama_cpp.Llama.eval(llm, tokens)  # stock decode calls (no plan)
+    assert np.array_equal(_last_logits(llm), expect)
+
+
+def test_refusals_at_construction(tiny_models, map_files, prompt, tmp_path):
+    llama, qwen3 = tiny_models["llama"], tiny_models["qwen3"]
+    with pytest.raises(ValueError, match="architecture 'qwen35' is not supported by RidgeFill prefill"):
+        Llama(str(tiny_models["qwen35"]), ridgefill=RidgeFill.identity(3, min_prompt=0), **_ctx_kwargs())
+    with pytest.raises(ValueError, match=r"split 9 outside 1\.\.6"):
+        Llama(str(llama), ridgefill=RidgeFill.identity(9), **_ctx_kwargs())
+    with pytest.raises(ValueError, match="split 0 must be >= 1"):
+        RidgeFill.identity(0)
+    with pytest.raises(ValueError, match="at least the last prompt row must be exact"):
+        RidgeFill(map_files["llama"], tail=0)
+    with pytest.raises(ValueError, match=r"exact_fraction 1\.5 outside \[0, 1\]"):
+        RidgeFill(map_files["llama"], exact_fraction=1.5)
+    with pytest.raises(ValueError, match="selector 'probe'"):
+        RidgeFill(map_files["llama"], selector="probe")
+    with pytest.raises(ValueError, match="the maps were fitted for split 3, not the requested split 2"):
+        Llama(str(llama), ridgefill=RidgeFill(map_files["llama"], split=2), **_ctx_kwargs())
+    with pytest.raises(ValueError, match="logits_all=True is not supported"):
+        Llama(str(llama), ridgefill=map_files["llama"], logits_all=True, **_ctx_kwargs())
+    # maps of another model: the loader names what does not match
+    from ridgefill_cpp.mapfile import MapFileError
+    with pytest.raises(MapFileError, match="architecture"):
+        Llama(str(qwen3), ridgefill=map_files["llama"], **_ctx_kwargs())
+    other = mtm.make_tiny_model("llama", tmp_path / "other-seed.gguf", seed=1)
+    with pytest.raises(MapFileError, match="another checkpoint"):
+        Llama(str(other), ridgefill=map_files["llama"], **_ctx_kwargs())
+    # gemma3 with a sliding-window cache smaller than the context
+    with pytest.raises(ValueError, match="swa_full = true"):
+        Llama(str(tiny_models["gemma3"]), ridgefill=RidgeFill.identity(4), swa_full=False, **_ctx_kwargs(n_ctx=1024))
+
+
+def test_refusals_during_prefill(tiny_models, map_files, prompt):
+    path = tiny_models["llama"]
+    llm = Llama(str(path), ridgefill=RidgeFill(map_files["llama"], tail=TAIL, min_prompt=0, selector=[5, 150]),
+                **_ctx_kwargs())
+    try:
+        # an explicit exact position in the tail
+        with pytest.raises(ValueError, match=r"exact position 150 outside the prompt's prefix \[0, 144\)"):
+            llm.eval(prompt)
+        _usable(llm, path, prompt[:50])
+
+        # a prompt longer than the context: llama.cpp's own check, nothing planned
+        ctx = llm._ctx.ctx
+        assert N.llama_ridgefill_begin(ctx, 0, 0, 300) == -1
+        assert "more than the context size 256" in N.llama_ridgefill_last_error().decode()
+        # a batch with rows outside the plan: decode fails, the plan is dropped, its rows removed
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        assert N.llama_ridgefill_begin(ctx, 0, 0, 100) == 1
+        assert N.llama_ridgefill_begin(ctx, 0, 0, 100) == -1
+        assert "a planned prompt is in progress" in N.llama_ridgefill_last_error().decode()
+        with pytest.raises(RuntimeError):
+            llama_cpp.Llama.eval(llm, prompt[:120])
+        assert "outside the planned prompt [0, 100)" in N.llama_ridgefill_last_error().decode()
+        _usable(llm, path, prompt[:60])
+        # cancel: the planned rows are removed, the next prompt is unaffected
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        assert N.llama_ridgefill_begin(ctx, 0, 0, 100) == 1
+        llama_cpp.Llama.eval(llm, prompt[:40])
+        N.llama_ridgefill_cancel(ctx)
+        _usable(llm, path, prompt[:70])
+    finally:
+        llm.close()
+
+
+def test_detach_and_close(tiny_models, map_files, prompt):
+    llm = Llama(str(tiny_models["llama"]), ridgefill=map_files["llama"], **_ctx_kwargs())
+    assert llm.ridgefill.maps == map_files["llama"] and llm.ridgefill.min_prompt == 1024
+    llm.eval(prompt)  # shorter than min_prompt: stock
+    assert llm.ridgefill_stats == {}
+    llm.close()
+    llm.close()
+    assert ridgefill_cpp.Llama is Llama
