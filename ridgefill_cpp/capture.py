@@ -28,8 +28,9 @@ class CaptureResult:
 
 def open_model(model_path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_ubatch: int | None = None,
                kv_f32: bool = True, flash_attn: bool = True, n_threads: int | None = None, **kwargs):
-    """A llama-cpp-python ``Llama`` on the patched library, quiet, ready for capture."""
-    from llama_cpp import Llama
+    """A llama-cpp-python ``Llama`` on the patched library, quiet, ready for capture (``ridgefill=...``
+    in `kwargs` attaches RidgeFill, :class:`ridgefill_cpp.prefill.Llama`)."""
+    from .prefill import Llama
 
     return Llama(
         model_path=str(model_path),

@@ -286,29 +286,42 @@ def fit(
         out.print(f"wrote {path}", highlight=False)
 
 
-@app.command()
+@app.command("bench")
 def bench(
     model: Path = typer.Argument(..., help="The model GGUF to time (never modified)."),
+    maps: Optional[Path] = typer.Option(None, "--maps", "-m", help="Map file of `fit`: times RidgeFill with ridge maps (its split is used)."),
     lengths: str = typer.Option("2048,4096", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
-    split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S (default L - floor(L/3))."),
+    split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S without maps (default L - floor(L/3); with maps: the file's)."),
+    tail: int = typer.Option(64, "--tail", min=1, help="T: the last prompt rows, always exact."),
+    exact_fraction: float = typer.Option(0.10, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector: attention or none."),
+    value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
+    min_prompt: int = typer.Option(1024, "--min-prompt", min=0, help="Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill)."),
+    identity: bool = typer.Option(True, "--identity/--no-identity", help="Also time identity fill at the same settings."),
+    first_layers: bool = typer.Option(False, "--first-layers", help="Also time the model cut to its first S layers: the physical ceiling of skipping late layers."),
+    greedy_tokens: int = typer.Option(16, "--greedy-tokens", min=0, help="Greedy continuation length compared with stock's (0: none)."),
     repeats: int = typer.Option(3, "--repeats", "-r", min=1, help="Timed prefills per variant and length (median reported)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (the same for every variant)."),
     n_batch: int = typer.Option(512, "--n-batch", min=1, help="llama.cpp batch (and ubatch) size."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing to this JSON file."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing and quality figure to this JSON file."),
 ) -> None:
-    """Time prefill side by side in one process, alternated and repeated: the model (stock) against
-    the same file cut to its first S layers, whose speedup is the physical ceiling of late-layer
-    skipping on this machine (next to the compute-ratio ceiling L/S). Ratios are the figure;
-    absolute times on a shared machine are noise."""
+    """Time prefill side by side in one process, alternated and repeated: stock against RidgeFill with
+    the ridge maps (--maps) and with identity fill at the same S, T and selector. Prints per prompt
+    length the median times, the speedup, the ceiling 1/r of DESIGN §4 and speedup / ceiling, then
+    the quality of each fill against stock on the same prompt (last-token KL, greedy agreement).
+    Ratios are the figure; absolute times on a shared machine are noise."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from .bench import benchmark_prefill
+    from .bench import RIDGEFILL, STOCK, benchmark_prefill
     from .gguf_model import GGUFFileError, read_model_info
+    from .mapfile import MapFileError
 
     try:
         ns = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
         _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
+    if selector not in ("attention", "none"):
+        _fail(f"--selector must be attention or none, not {selector!r}")
     try:
         read_model_info(model)
     except GGUFFileError as e:
@@ -316,19 +329,45 @@ def bench(
     with Progress(TextColumn("timing prefill"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=err) as bar:
         task = bar.add_task("bench", total=None)
         try:
-            res = benchmark_prefill(model, lengths=ns, split=split, repeats=repeats, n_threads=threads, n_batch=n_batch,
+            res = benchmark_prefill(model, lengths=ns, maps=maps, split=split, tail=tail, exact_fraction=exact_fraction,
+                                    selector=selector, value_rescale=value_rescale, min_prompt=min_prompt,
+                                    identity=identity, first_layers=first_layers, greedy_tokens=greedy_tokens,
+                                    repeats=repeats, n_threads=threads, n_batch=n_batch,
                                     progress=lambda d, t: bar.update(task, completed=d, total=t))
-        except ValueError as e:
+        except (ValueError, MapFileError) as e:
             _fail(str(e))
-    variant = next(v for v in res.times if v != "stock")
-    t = Table(title=f"prefill, {Path(res.model).name}: L = {res.n_layer}, S = {res.split}, median of {res.repeats}")
-    for col in ("prompt", "stock", variant, "speedup", "ceiling L/S", "speedup / ceiling"):
-        t.add_column(col, justify="right")
+    others = [v for v in res.variants if v != STOCK]
+    main = RIDGEFILL if RIDGEFILL in res.times else others[0]
+    fills = list(res.kl)
+    t = Table(title=f"prefill, {Path(res.model).name}: L = {res.n_layer}, S = {res.split}, T = {res.tail}, "
+                    f"exact {res.exact_fraction:g} ({res.selector}), median of {res.repeats}")
+    t.add_column("prompt", justify="right")
+    for v in res.variants:
+        t.add_column(v, justify="right")
+    for v in others:
+        t.add_column(f"speedup {v}", justify="right")
+    t.add_column("ceiling 1/r", justify="right")
+    t.add_column(f"{main} / ceiling", justify="right")
     for n in res.lengths:
-        sp = res.speedup(variant, n)
-        t.add_row(str(n), f"{res.median('stock', n) * 1e3:.0f} ms", f"{res.median(variant, n) * 1e3:.0f} ms",
-                  f"{sp:.2f}x", f"{res.compute_ceiling:.2f}x", f"{sp / res.compute_ceiling:.2f}")
+        ceiling = res.ceiling.get(n, res.compute_ceiling)
+        t.add_row(str(n), *[f"{res.median(v, n) * 1e3:.0f} ms" for v in res.variants],
+                  *[f"{res.speedup(v, n):.2f}x" for v in others], f"{ceiling:.2f}x",
+                  f"{res.speedup(main, n) / ceiling:.2f}")
     out.print(t)
+    if fills:
+        q = Table(title=f"quality against stock on the same prompts (greedy: {res.greedy_tokens} tokens)")
+        q.add_column("prompt", justify="right")
+        for v in fills:
+            q.add_column(f"KL {v}", justify="right")
+        for v in fills:
+            q.add_column(f"greedy agree {v}", justify="right")
+        for n in res.lengths:
+            q.add_row(str(n), *[f"{res.kl[v][n]:.4f}" for v in fills],
+                      *[f"{res.greedy_agree[v][n]}/{res.greedy_tokens}" for v in fills])
+        out.print(q)
+        if any(n < res.min_prompt for n in res.lengths):
+            out.print(f"prompts shorter than --min-prompt {res.min_prompt} ran stock prefill in every variant "
+                      "(their times show the overhead of an attached RidgeFill)", highlight=False)
     if json_out:
         json_out.write_text(json.dumps(res.as_dict(), indent=2))
         out.print(f"wrote {json_out}", highlight=False)
@@ -360,11 +399,13 @@ def demo(
     refit: bool = typer.Option(False, "--refit", help="Fit again even if the demo's map file exists and fits the model."),
     prompt: str = typer.Option("The three primary colours are", help="Prompt for the short generation run."),
     max_tokens: int = typer.Option(24, min=1, help="Tokens to generate."),
+    long_tokens: int = typer.Option(3072, "--long-tokens", min=1100, help="Length of the long prompt prefilled stock and with RidgeFill."),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads (default: llama.cpp's choice)."),
 ) -> None:
     """Run the main job on the default model: the native build and the model summary, a ridge-map fit
-    on the default calibration text (kept in the cache directory), and a generation through the
-    patched llama.cpp."""
+    on the default calibration text (kept in the cache directory), a long prompt prefilled stock and
+    with RidgeFill side by side (time to first token, last-token KL, greedy continuations), and a
+    short generation."""
     import ridgefill_cpp
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
@@ -409,6 +450,8 @@ def demo(
         out.print(f"reusing {maps_path} (fits the model; --refit to fit again)", highlight=False)
     out.print(_quality_table(maps.meta, f"S = {maps.meta.split_layer}: held-out relative error of the predicted layer input"))
 
+    _demo_long_prompt(model, maps_path, maps.meta.split_layer, long_tokens, threads)
+
     out.rule("generation (stock prefill through the patched library)")
     t0 = time.perf_counter()
     llm = ridgefill_cpp.Llama(str(model), n_ctx=2048, n_threads=threads, verbose=False, flash_attn=True)
@@ -427,3 +470,50 @@ def demo(
         )
     finally:
         llm.close()
+
+
+def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads: Optional[int]) -> None:
+    """Stock prefill and RidgeFill prefill of one long prompt of evaluation text, side by side."""
+    import ridgefill_cpp
+
+    from .bench import greedy_continuation, kl_divergence, last_logits, prompt_tokens
+    from .prefill import RidgeFill
+
+    out.rule(f"a {n}-token prompt: stock prefill and RidgeFill (S = {split}, T = 64, attention selector 10 %)")
+    n_gen = 16
+    kw = dict(n_ctx=n + n_gen, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=True)
+    llms = {"stock": ridgefill_cpp.Llama(str(model), **kw),
+            "RidgeFill": ridgefill_cpp.Llama(str(model), ridgefill=RidgeFill(maps_path), **kw)}
+    try:
+        tokens = prompt_tokens(llms["stock"], n)
+        rows = {}
+        with err.status("prefilling (each variant twice, alternated; the faster run counts)"):
+            for llm in llms.values():  # warm-up
+                llm.eval(tokens[:32])
+            for _ in range(2):
+                for name, llm in llms.items():
+                    llm.reset()
+                    t0 = time.perf_counter()
+                    llm.eval(tokens)
+                    dt = time.perf_counter() - t0
+                    if name not in rows or dt < rows[name]["t"]:
+                        logits = last_logits(llm)
+                        rows[name] = {"t": dt, "logits": logits, "stats": dict(llm.ridgefill_stats),
+                                      "cont": greedy_continuation(llm, logits, n_gen)}
+        t = Table()
+        for col in ("prefill", "time to first token", "speedup", "ceiling 1/r", "KL to stock", "greedy continuation"):
+            t.add_column(col, justify="left" if col == "greedy continuation" else "right", overflow="fold")
+        ref = rows["stock"]
+        for name, r in rows.items():
+            st = r["stats"]
+            text = llms[name].detokenize(r["cont"]).decode(errors="replace").replace("\n", "⏎")
+            t.add_row(name, f"{r['t']:.2f} s", f"{ref['t'] / r['t']:.2f}x", f"{st['ceiling']:.2f}x" if st else "",
+                      f"{kl_divergence(ref['logits'], r['logits']):.4f}", text)
+        out.print(t)
+        st = rows["RidgeFill"]["stats"]
+        if st:
+            out.print(f"RidgeFill: {st['n_filled']} rows filled, {st['n_exact']} selected + {st['tail']} tail rows exact; "
+                      f"late layers {st['late_ms']:.0f} ms of {st['prefill_ms']:.0f} ms", highlight=False)
+    finally:
+        for llm in llms.values():
+            llm.close()

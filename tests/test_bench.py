@@ -39,18 +39,47 @@ def test_first_layers_range(tiny_models, tmp_path):
 
 
 def test_benchmark_runs_side_by_side(tiny_models, cli, tmp_path):
-    res = benchmark_prefill(tiny_models["llama"], lengths=[96, 32], split=3, repeats=2, n_threads=1)
+    res = benchmark_prefill(tiny_models["llama"], lengths=[96, 32], split=3, tail=8, min_prompt=64, first_layers=True,
+                            repeats=2, n_threads=1, greedy_tokens=4)
     assert res.lengths == [32, 96] and res.compute_ceiling == 2.0
-    assert set(res.times) == {"stock", "first 3 layers"}
+    assert set(res.times) == {"stock", "identity", "first 3 layers"}
     for v in res.times:
         for n in res.lengths:
             assert len(res.times[v][n]) == 2 and all(t > 0 for t in res.times[v][n])
+    # 32 < min_prompt: stock prefill in every variant, same logits; 96: a plan, its ceiling from the plan
+    assert res.kl["identity"][32] == 0.0 and res.greedy_agree["identity"][32] == 4
+    assert res.ceiling[32] == 1.0
+    r = 3 / 6 + (1 - 3 / 6) * (8 + 9) / 96  # S/L + (1 - S/L)(T + |E|)/N, |E| = ceil(0.1 * 88)
+    assert res.ceiling[96] == pytest.approx(1 / r, rel=1e-6)
+    assert res.kl["identity"][96] > 0
+
     out = tmp_path / "bench.json"
-    r = cli("bench", tiny_models["llama"], "--lengths", "40,80", "--repeats", 1, "--threads", 1, "--json", out)
+    r = cli("bench", tiny_models["llama"], "--lengths", "40,80", "--repeats", 1, "--threads", 1, "--json", out,
+            "--min-prompt", 50, "--tail", 8, "--first-layers")
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
     assert [row["n_prompt"] for row in d["summary"]] == [40, 80]
-    assert "ceiling L/S" in r.output and "first 4 layers" in r.output
+    assert set(d["times"]) == {"stock", "identity", "first 4 layers"}
+    assert d["summary"][0]["ceiling"] == 1.0 and d["summary"][1]["ceiling"] > 1.0
+    assert "ceiling" in r.output and "quality against stock" in r.output and "min-prompt" in r.output
+
+
+def test_benchmark_with_maps(tiny_models, cli, tmp_path):
+    from ridgefill_cpp import corpus
+    from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+    from ridgefill_cpp.mapfile import write_map_file
+
+    fit = fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"),
+                         FitOptions(n_tokens=2000, ctx=128, split=4, n_threads=1))
+    maps = write_map_file(tmp_path / "m.gguf", fit.maps)
+    res = benchmark_prefill(tiny_models["llama"], maps=maps, lengths=[120], tail=8, min_prompt=0, repeats=1,
+                            n_threads=1, greedy_tokens=3, identity=False)
+    assert set(res.times) == {"stock", "ridgefill"} and res.split == 4
+    assert 0 < res.kl["ridgefill"][120] < 1
+    with pytest.raises(ValueError, match="fitted for split 4"):
+        benchmark_prefill(tiny_models["llama"], maps=maps, split=3, lengths=[64])
+    r = cli("bench", tiny_models["llama"], "--lengths", "64", "--no-identity")
+    assert r.exit_code == 1 and "nothing to compare with stock" in r.output
 
 
 def test_benchmark_bad_input(cli, tiny_models):
@@ -60,3 +89,13 @@ def test_benchmark_bad_input(cli, tiny_models):
     assert r.exit_code == 1 and "comma-separated integers" in r.output
     r = cli("bench", tiny_models["llama"], "--split", 6)
     assert r.exit_code == 1 and "split 6 outside 1..5" in r.output
+
+
+def test_demo_runs_on_a_tiny_model(tiny_models, cli, tmp_path, monkeypatch):
+    """The README's first command, end to end on a tiny model: fit, the long prompt both ways, generation."""
+    monkeypatch.setenv("RIDGEFILL_CACHE", str(tmp_path))
+    r = cli("demo", "--model", tiny_models["llama"], "--fit-tokens", 3000, "--long-tokens", 1200,
+            "--max-tokens", 4, "--threads", 1)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "maps" / "tiny-llama.ridgefill.gguf").is_file()
+    assert "RidgeFill:" in r.output and "rows filled" in r.output and "ceiling 1/r" in r.output
