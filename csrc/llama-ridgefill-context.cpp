@@ -448,6 +448,44 @@ bool llama_ridgefill_context::reserve() {
     return ok;
 }
 
+std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells, int32_t n_prefix) {
+    last_scores.clear();
+    if (p.exact_set) {
+        return p.exact; // the caller's positions override any selector
+    }
+
+    std::vector<llama_pos> exact;
+    switch (params.selector) {
+        case LLAMA_RIDGEFILL_SELECTOR_NONE:
+            break;
+        case LLAMA_RIDGEFILL_SELECTOR_ATTENTION:
+            {
+                if (sel_layer < 0) {
+                    break;
+                }
+                // the scores the early phase accumulated per cell, for the planned rows
+                std::vector<float> sc(ggml_nelements(scores));
+                ggml_backend_tensor_get(scores, sc.data(), 0, ggml_nbytes(scores));
+                last_scores.resize(cells.size());
+                for (size_t j = 0; j < cells.size(); ++j) {
+                    last_scores[j] = sc[cells[j]];
+                }
+                // the top ceil(fraction * prefix) prefix rows; ties go to the earlier row
+                const int32_t k = rf_n_selected(n_prefix, params.exact_fraction);
+                std::vector<int32_t> order(n_prefix);
+                std::iota(order.begin(), order.end(), 0);
+                std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return last_scores[a] > last_scores[b]; });
+                for (int32_t i = 0; i < k; ++i) {
+                    exact.push_back(p.pos0 + order[i]);
+                }
+            } break;
+        default:
+            GGML_ABORT("unknown selector %d", params.selector);
+    }
+    std::sort(exact.begin(), exact.end());
+    return exact;
+}
+
 int llama_ridgefill_context::decode_done(llama_context & lctx) {
     if (!plan.active) {
         return 0;
@@ -493,26 +531,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     }
 
     // the exact prefix rows (§5)
-    std::vector<llama_pos> exact;
-    last_scores.clear();
-    if (p.exact_set) {
-        exact = p.exact;
-    } else if (sel_layer >= 0) {
-        std::vector<float> sc(ggml_nelements(scores));
-        ggml_backend_tensor_get(scores, sc.data(), 0, ggml_nbytes(scores));
-        last_scores.resize(N);
-        for (int32_t j = 0; j < N; ++j) {
-            last_scores[j] = sc[cells[j]];
-        }
-        const int32_t k = rf_n_selected(n_prefix, params.exact_fraction);
-        std::vector<int32_t> order(n_prefix);
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return last_scores[a] > last_scores[b]; });
-        for (int32_t i = 0; i < k; ++i) {
-            exact.push_back(p.pos0 + order[i]);
-        }
-        std::sort(exact.begin(), exact.end());
-    }
+    const std::vector<llama_pos> exact = select_exact(p, cells, n_prefix);
 
     // roles: X = exact rows (selected and tail), in position order; F = filled rows
     std::vector<char> is_exact(N, 0);

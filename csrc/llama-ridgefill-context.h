@@ -61,6 +61,11 @@ struct llama_ridgefill_context {
     // the late phase
     int finish(llama_context & lctx);
 
+    // the selector seam (DESIGN §5): the exact prefix rows of a plan whose rows are all decoded,
+    // ascending; cells: the cell of each planned row in the full-attention cache. A selector that
+    // scores rows during the early phase does so in llama_ridgefill_build_attn (sel_layer)
+    std::vector<llama_pos> select_exact(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells, int32_t n_prefix);
+
     // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
     // selector's query rows) and of the late phase (a chunk of exact rows, a fill step); false on failure
     bool reserve();

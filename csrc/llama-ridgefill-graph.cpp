@@ -8,7 +8,6 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
-#include <cfloat>
 
 // the index tensors of a RidgeFill graph; their data is known when the graph is built (RidgeFill
 // graphs are never reused), set_input copies it
@@ -276,9 +275,13 @@ static void rf_build_fill(
         rf_build_kv(g, il, xe, nullptr, nullptr, &ve);
         rf_build_kv(g, il, xp, nullptr, nullptr, &vp);
 
-        ggml_tensor * num = rf_mean_head_norm(ctx0, ve);
-        ggml_tensor * den = ggml_clamp(ctx0, rf_mean_head_norm(ctx0, vp), FLT_MIN, FLT_MAX);
-        scale = ggml_div(ctx0, num, den);                 // [1, n_head_kv]
+        // s = num / den, and 1 where den = 0 (a head whose predicted V vanishes): with m = step(den),
+        // s = (num·m + 1 - m) / (den + 1 - m)
+        ggml_tensor * num  = rf_mean_head_norm(ctx0, ve);
+        ggml_tensor * den  = rf_mean_head_norm(ctx0, vp);
+        ggml_tensor * m    = ggml_step(ctx0, den);
+        ggml_tensor * notm = ggml_scale_bias(ctx0, m, -1.0f, 1.0f);
+        scale = ggml_div(ctx0, ggml_add(ctx0, ggml_mul(ctx0, num, m), notm), ggml_add(ctx0, den, notm)); // [1, n_head_kv]
         ggml_set_name(scale, "ridgefill_v_scale");
         ggml_set_output(scale);
         ggml_build_forward_expand(g.gf, scale);
