@@ -2,7 +2,8 @@
 
 Absolute times on a shared machine are noise; the figure is the ratio of medians measured in one
 run, with the same build, threads, context and batch sizes for every variant. Each repetition
-visits the variants in a rotated order so that drift (thermal, other load) is spread evenly.
+opens fresh contexts and visits the variants in a rotated order, so that drift (thermal, other
+load) and the placement of a context's buffers are spread evenly.
 
 Variants:
 
@@ -207,24 +208,31 @@ def benchmark_prefill(
                       n_batch=n_batch, repeats=repeats, lengths=lengths, greedy_tokens=greedy_tokens,
                       times={v: {n: [] for n in lengths} for v in variants},
                       kl={v: {} for v in fills}, greedy_agree={v: {} for v in fills})
-    llms = {}
-    try:
-        for v, kw in variants.items():
-            llms[v] = open_model(kw.get("path", model), n_ctx=n_ctx, n_batch=n_batch, kv_f32=False, n_threads=n_threads,
-                                 ridgefill=kw.get("ridgefill"))
-        prompts = {n: prompt_tokens(llms[STOCK], n) for n in lengths}
-        for llm in llms.values():  # warm-up: first-call allocations are not prefill
-            llm.reset()
-            llm.eval(prompts[lengths[0]][: min(64, lengths[0])])
-        names = list(llms)
-        total, done = repeats * len(lengths) * len(names), 0
-        reference: dict[int, tuple[np.ndarray, list[int]]] = {}
-        for r in range(repeats):
+    reference: dict[int, tuple[np.ndarray, list[int]]] = {}
+    names = list(variants)
+    total, done = repeats * len(lengths) * len(names), 0
+    prompts: dict[int, list[int]] = {}
+    for r in range(repeats):
+        # fresh contexts every repetition: where a context's buffers land in memory biases its speed
+        # for its whole life (by up to ~10 % on this machine), so each repetition draws anew
+        order = names[r % len(names):] + names[: r % len(names)]
+        llms = {}
+        try:
+            for v in order:
+                kw = variants[v]
+                llms[v] = open_model(kw.get("path", model), n_ctx=n_ctx, n_batch=n_batch, kv_f32=False,
+                                     n_threads=n_threads, ridgefill=kw.get("ridgefill"))
+            if not prompts:
+                prompts = {n: prompt_tokens(llms[STOCK], n) for n in lengths}
+            for llm in llms.values():  # warm-up: first-call allocations are not prefill
+                llm.reset()
+                llm.eval(prompts[lengths[0]][: min(64, lengths[0])])
             for n in lengths:
-                order = names[r % len(names):] + names[: r % len(names)]
                 if r == 0:  # stock first on the first round: the quality reference
-                    order = [STOCK] + [v for v in order if v != STOCK]
-                for v in order:
+                    order_n = [STOCK] + [v for v in order if v != STOCK]
+                else:
+                    order_n = order
+                for v in order_n:
                     llm = llms[v]
                     llm.reset()
                     t0 = time.perf_counter()
@@ -248,7 +256,7 @@ def benchmark_prefill(
                     done += 1
                     if progress:
                         progress(done, total)
-    finally:
-        for llm in llms.values():
-            llm.close()
+        finally:
+            for llm in llms.values():
+                llm.close()
     return res
