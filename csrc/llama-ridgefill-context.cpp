@@ -269,6 +269,11 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
         return true;
     }
     plan.nan_batch_idxs.clear();
+    plan.out_rows.clear();
+
+    const int32_t   N       = plan.pos_end - plan.pos0;
+    const llama_pos tail0   = plan.pos_end - std::min(params.n_tail, N);
+    bool            has_end = false;
 
     int32_t n_plan  = 0;
     int32_t n_other = 0;
@@ -289,14 +294,9 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
         } else if (pos < plan.pos0 || pos >= plan.pos_end) {
             err = format("row at position %d of sequence %d is outside the planned prompt [%d, %d)",
                     pos, plan.seq_id, plan.pos0, plan.pos_end);
-        } else if (batch.logits[i] && pos != plan.pos_end - 1) {
-            plan.nan_batch_idxs.push_back(i);
         }
         n_plan++;
-        if (pos == plan.pos_end - 1) {
-            plan.pending = true;
-            plan.out_batch_idx = batch.logits[i] ? i : -1;
-        }
+        has_end = has_end || pos == plan.pos_end - 1;
     }
     if (err.empty() && n_plan > 0 && n_other > 0) {
         err = "a batch holds rows of the planned prompt and rows of other sequences";
@@ -307,6 +307,19 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
         plan = {};
         return false;
     }
+
+    // logits: tail rows brought by the call that ends the prompt get them (DESIGN §4.5), others NaN
+    for (int32_t i = 0; i < batch.n_tokens && n_plan > 0; ++i) {
+        if (!batch.logits[i]) {
+            continue;
+        }
+        if (has_end && batch.pos[i] >= tail0) {
+            plan.out_rows.emplace_back(batch.pos[i], i);
+        } else {
+            plan.nan_batch_idxs.push_back(i);
+        }
+    }
+    plan.pending = plan.pending || has_end;
     return true;
 }
 
@@ -632,7 +645,24 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
                     xc_swa[i] = cells_swa[j];
                 }
             }
-            llama_ubatch ub = rf_make_ubatch(p.seq_id, pos, last_layer);
+            // the last layer outputs the logits of the chunk's rows that asked for them (at least one
+            // row: a graph needs an output; a row nobody asked for is discarded)
+            std::vector<int32_t> out_idx; // batch index per output row, -1: discarded
+            llama_ubatch ub = rf_make_ubatch(p.seq_id, pos, false);
+            if (last_layer) {
+                for (int32_t i = 0; i < nc; ++i) {
+                    for (const auto & [op, bi] : p.out_rows) {
+                        if (op == pos[i]) {
+                            ub.output[i] = 1;
+                            out_idx.push_back(bi);
+                        }
+                    }
+                }
+                if (out_idx.empty()) {
+                    ub.output[nc - 1] = 1;
+                    out_idx.push_back(-1);
+                }
+            }
 
             llama_memory_context_ptr mctx;
             if (caches.iswa) {
@@ -668,7 +698,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             cur.inp     = nullptr;
             cur.v_scale = nullptr;
 
-            lctx.n_outputs = last_layer ? 1 : 0;
+            lctx.n_outputs = (int32_t) out_idx.size();
 
             llm_graph_result * res = res_late.get();
             res->reset();
@@ -694,15 +724,20 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             if (cur.v_scale) {
                 ggml_backend_tensor_get(cur.v_scale, last_v_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.v_scale));
             }
-            if (last_layer && c0 + nc == n_x && p.out_batch_idx >= 0) {
+            if (last_layer) {
                 ggml_tensor * t_logits = res->get_logits();
-                GGML_ASSERT(t_logits != nullptr);
+                GGML_ASSERT(t_logits != nullptr && t_logits->ne[1] == (int64_t) out_idx.size());
                 lctx.n_outputs = n_outputs_saved;
-                float * dst = lctx.get_logits_ith(p.out_batch_idx);
-                if (dst == nullptr) {
-                    return fail("no logits row for the last prompt row");
+                for (size_t k = 0; k < out_idx.size(); ++k) {
+                    if (out_idx[k] < 0) {
+                        continue;
+                    }
+                    float * dst = lctx.get_logits_ith(out_idx[k]);
+                    if (dst == nullptr) {
+                        return fail("no logits row for a tail row that asked for logits");
+                    }
+                    ggml_backend_tensor_get(t_logits, dst, k*t_logits->nb[1], t_logits->nb[1]);
                 }
-                ggml_backend_tensor_get(t_logits, dst, 0, ggml_nbytes(t_logits));
             }
         }
     }

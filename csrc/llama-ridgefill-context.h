@@ -27,8 +27,10 @@ struct llama_ridgefill_plan {
     bool                   exact_set = false; // exact prefix rows given by the caller
     std::vector<llama_pos> exact;
 
-    int32_t out_batch_idx = -1;          // batch index of row pos_end-1 when it asked for logits
-    std::vector<int32_t> nan_batch_idxs; // batch indices of earlier planned rows that asked for logits
+    // rows of the last decode call that asked for logits: tail rows get them from the late phase,
+    // (position, batch index); any other planned row gets NaN (its logits are never computed)
+    std::vector<std::pair<llama_pos, int32_t>> out_rows;
+    std::vector<int32_t> nan_batch_idxs;
 };
 
 struct llama_ridgefill_context {

@@ -102,7 +102,8 @@ extern "C" {
 
     // plan the prompt rows [pos0, pos_end) of seq_id: the next llama_decode() calls bring these rows
     // (in any chunks, in order, no other rows in the same batch); their early layers run there, and
-    // the call that brings row pos_end-1 runs the late layers and writes that row's logits.
+    // the call that brings row pos_end-1 runs the late layers and writes the logits of the tail rows
+    // it brings that ask for them (DESIGN §4.5); logits asked for any other planned row are NaN.
     // Returns 1 when planned, 0 when the prompt runs stock (S = n_layer, N <= T, N < min_prompt),
     // -1 on error (no RidgeFill attached, a plan in progress, rows out of the context).
     LLAMA_API int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end);

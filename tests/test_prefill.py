@@ -424,3 +424,59 @@ def test_value_scale_of_a_vanishing_prediction_is_one(arch, tiny_models, oracles
         assert not v.any()
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_logits_of_every_tail_row(arch, tiny_models, oracles, prompt, map_files):
+    """Tail rows that ask for logits in the call that ends the prompt get them (DESIGN §4.5); a
+    planned row before the tail, or a tail row of an earlier call, gets NaN."""
+    o = oracles[arch]
+    S = _split(arch, o)
+    exact = [2, 40, 90]
+    ref = fill_forward(o, prompt, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=exact,
+                       tail_logits=True)
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, selector=exact, min_prompt=0),
+                **_ctx_kwargs(n_batch=128, n_ubatch=32))
+    try:
+        ctx = llm._ctx.ctx
+        assert N.llama_ridgefill_begin(ctx, 0, 0, N_TOKENS) == 1
+        N.llama_ridgefill_set_exact(ctx, (ctypes.c_int32 * 3)(*exact), 3)
+        split = N_TOKENS - TAIL - 4  # the last call brings 4 prefix rows and the whole tail
+        llama_cpp.Llama.eval(llm, prompt[:split])
+        llm._batch.set_batch(batch=prompt[split:], n_past=split, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        n_vocab = llm.n_vocab()
+        rows = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+                for i in range(N_TOKENS - split)]
+        assert all(np.isnan(r).all() for r in rows[:4])
+        got = np.stack(rows[4:])
+        assert _rel(got, ref.logits.numpy()) < TOL[arch]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_compute_buffers_are_reserved_for_both_phases(arch, tiny_models, oracles, prompt, map_files):
+    """Attaching reserves the scheduler's buffers for the early phase (with the selector) and the
+    late phase (a chunk of exact rows, fill steps): a prefill never grows them, so llama.cpp's own
+    check at context teardown finds the expected sizes."""
+    from llama_cpp import _logger
+
+    logs: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):
+        logs.append(text.decode(errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, min_prompt=0),
+                    **_ctx_kwargs(n_batch=256, n_ubatch=64))
+        llm.eval(prompt)
+        assert llm.ridgefill_stats["n_filled"] > 64  # several fill steps
+        llm.close()
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    text = "".join(logs)
+    assert "RidgeFill attached" in text and "compute buffer size" in text
+    assert "does not match expectation" not in text
