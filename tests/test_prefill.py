@@ -480,3 +480,49 @@ def test_compute_buffers_are_reserved_for_both_phases(arch, tiny_models, oracles
     text = "".join(logs)
     assert "RidgeFill attached" in text and "compute buffer size" in text
     assert "does not match expectation" not in text
+
+
+def test_llama_cpp_python_surface_keeps_working(tiny_models, map_files, prompt):
+    """Completion, chat, streaming, generate, save/load state and reset on a RidgeFill Llama."""
+    path = str(tiny_models["llama"])
+    llm = Llama(path, ridgefill=RidgeFill(map_files["llama"], tail=8, min_prompt=64), **_ctx_kwargs(n_ctx=512))
+    stock = Llama(path, **_ctx_kwargs(n_ctx=512))
+    try:
+        text = llm.detokenize(prompt[1:120]).decode(errors="replace")
+        out = llm.create_completion(text, max_tokens=5, temperature=0.0)
+        assert out["usage"]["completion_tokens"] >= 1 and llm.ridgefill_stats["n_prompt"] >= 64
+        assert llm.ridgefill_stats["n_filled"] > 0
+        chunks = list(llm(text + " more", max_tokens=4, temperature=0.0, stream=True))
+        assert chunks and "text" in chunks[0]["choices"][0]
+        chat = llm.create_chat_completion([{"role": "user", "content": text}], max_tokens=3, temperature=0.0)
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+
+        # generate: the first token comes from the RidgeFill prefill, later ones from exact decoding
+        llm.reset()
+        gen = llm.generate(prompt[:100], temp=0.0)
+        toks = [next(gen) for _ in range(3)]
+        assert llm.ridgefill_stats["n_prompt"] == 100 and len(toks) == 3
+
+        # save / load state round-trips the (partly filled) cache
+        llm.reset()
+        llm.eval(prompt[:100])
+        state = llm.save_state()
+        a = _last_logits(llm)
+        llm.reset()
+        llm.eval(prompt[100:140])  # something else in between
+        llm.load_state(state)
+        llm.eval(prompt[100:101])
+        b = _last_logits(llm)
+        llm.load_state(state)
+        llm.eval(prompt[100:101])
+        assert np.array_equal(b, _last_logits(llm)) and a.shape == b.shape
+
+        # short prompts stay stock: identical to llama-cpp-python
+        llm.reset()
+        stock.reset()
+        llm.eval(prompt[:40])
+        stock.eval(prompt[:40])
+        assert llm.ridgefill_stats == {} and np.array_equal(_last_logits(llm), _last_logits(stock))
+    finally:
+        llm.close()
+        stock.close()
