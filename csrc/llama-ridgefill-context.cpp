@@ -192,6 +192,9 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (params.min_prompt < 0 || params.n_fill_chunk < 0) {
         return "min_prompt and n_fill_chunk must be >= 0";
     }
+    if (params.splice < LLAMA_RIDGEFILL_SPLICE_NONE || params.splice > LLAMA_RIDGEFILL_SPLICE_KV) {
+        return format("unknown splice mode %d", params.splice);
+    }
     if (params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && params.split_layer < n_layer) {
         if (params.sel_layer < 0) {
             params.sel_layer = rf_default_sel_layer(hparams, params.split_layer);
@@ -601,12 +604,13 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
 
     const int32_t n_scale_rows = std::min(params.n_rescale, T);
 
-    cur.model = &model;
-    cur.maps  = maps;
-    cur.split = S;
-    cur.xs    = xs;
-    cur.xx    = xx;
-    cur.dst   = xx;
+    cur.model  = &model;
+    cur.maps   = maps;
+    cur.split  = S;
+    cur.xs     = xs;
+    cur.xx     = xx;
+    cur.dst    = xx;
+    cur.splice = params.splice;
     for (int32_t i = 0; i < n_scale_rows; ++i) {
         cur.r_rows.push_back(n_prefix + i);
     }
@@ -791,6 +795,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.n_rescale      =*/ 512,
         /*.min_prompt     =*/ 1024,
         /*.n_fill_chunk   =*/ 0,
+        /*.splice         =*/ LLAMA_RIDGEFILL_SPLICE_NONE,
     };
     return p;
 }

@@ -2,6 +2,7 @@
 // attention selector, the value scale and the filled rows' K/V (see llama-ridgefill-graph.h).
 
 #include "llama-ridgefill-graph.h"
+#include "llama-ridgefill.h"
 #include "llama-ridgefill-maps.h"
 
 #include "llama-impl.h"
@@ -345,8 +346,12 @@ static void rf_build_fill(
             vidx = ggml_view_1d(ctx0, all, nc*n_embd_v, i0*n_embd_v*ggml_element_size(all));
         }
 
-        ggml_build_forward_expand(g.gf, mctx->cpy_k(ctx0, k, kidx, il));
-        ggml_build_forward_expand(g.gf, mctx->cpy_v(ctx0, v, vidx, il));
+        if (!(rf->splice & LLAMA_RIDGEFILL_SPLICE_K)) {
+            ggml_build_forward_expand(g.gf, mctx->cpy_k(ctx0, k, kidx, il));
+        }
+        if (!(rf->splice & LLAMA_RIDGEFILL_SPLICE_V)) {
+            ggml_build_forward_expand(g.gf, mctx->cpy_v(ctx0, v, vidx, il));
+        }
     }
 }
 

@@ -63,6 +63,7 @@ struct llama_ridgefill_graph {
     std::vector<int64_t> f_vidx;      // transposed V cache (no flash attention): [|F| * n_embd_v_gqa]
     std::vector<int64_t> f_vidx_swa;  //   element indices, empty otherwise
     int32_t n_chunk = 512;            // filled rows per fill step
+    int32_t splice  = 0;              // enum llama_ridgefill_splice: keep the cells' K and/or V
     ggml_tensor * r_src = nullptr;    // value-scale rows (the first min(c, T) tail rows): their exact
     std::vector<int32_t> r_src_rows;  //   inputs of the layer (rows of r_src: xs at l = S, else xx)
     std::vector<int32_t> r_rows;      //   and their xs rows; empty: no value scale

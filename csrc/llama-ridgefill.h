@@ -73,6 +73,17 @@ extern "C" {
         LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1, // the rows the last prompt rows attend to most, below S
     };
 
+    // diagnostics (the splice test of DESIGN §9): filled rows keep the K and/or V already in their
+    // cells instead of writing the fill's. With a cache holding the exact prefill of the same prompt in
+    // the same cells (llama_memory_clear(mem, false) between the two prefills), this replaces the
+    // filled K or V of the late layers with the exact one.
+    enum llama_ridgefill_splice {
+        LLAMA_RIDGEFILL_SPLICE_NONE = 0,
+        LLAMA_RIDGEFILL_SPLICE_K    = 1,
+        LLAMA_RIDGEFILL_SPLICE_V    = 2,
+        LLAMA_RIDGEFILL_SPLICE_KV   = 3,
+    };
+
     struct llama_ridgefill_params {
         int32_t split_layer;    // S, 1 <= S <= n_layer (S = n_layer: stock); -1: the maps' split
         int32_t n_tail;         // T >= 1: the last T prompt rows are exact
@@ -84,6 +95,7 @@ extern "C" {
         int32_t n_rescale;      // c: value-scale rows (first min(c, T) tail rows); 0: no value scale
         int32_t min_prompt;     // prompts of fewer rows run stock prefill
         int32_t n_fill_chunk;   // filled rows per fill step; 0: n_ubatch
+        int32_t splice;         // enum llama_ridgefill_splice (diagnostics; NONE in normal use)
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);

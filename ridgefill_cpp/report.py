@@ -1,0 +1,204 @@
+"""The files of ``ridgefill-gguf eval``: ``report.md``, PNG plots and ``results.json`` (written
+atomically, each). Plots use matplotlib's non-interactive Agg backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .evaluate import EvalResult
+
+METRICS = (("novel", "novel tokens"), ("key", "key tokens"), ("all", "all tail tokens"))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _ci(d: dict | None, fmt: str = "{:+.4f}") -> str:
+    if not d:
+        return "—"
+    return f"{fmt.format(d['estimate'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
+
+
+def _pct(d: dict | None) -> str:
+    if not d:
+        return "—"
+    return f"{100 * d['estimate']:.0f} % [{100 * d['low']:.0f}, {100 * d['high']:.0f}]"
+
+
+def write_report(res: EvalResult, out_dir: os.PathLike | str, elapsed_s: float | None = None) -> list[Path]:
+    """Write report.md, results.json and the plots into ``out_dir``; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    plots = _plots(res, out)
+    written += plots
+
+    j = out / "results.json"
+    _atomic_write(j, json.dumps(res.as_dict(), indent=1).encode())
+    written.append(j)
+
+    md = out / "report.md"
+    _atomic_write(md, _markdown(res, [p.name for p in plots], elapsed_s).encode())
+    written.append(md)
+    return written
+
+
+def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str:
+    o = res.options
+    L = []
+    L.append(f"# RidgeFill quality report: {Path(res.model).name}\n")
+    L.append(f"- model: `{Path(res.model).name}` ({res.architecture}, {res.n_layer} layers)")
+    L.append(f"- maps: " + ", ".join(f"`{Path(m).name}` (S = {s})" for m, s in zip(res.maps, res.splits)))
+    L.append(f"- settings: T = {o['tail']}, selector {o['selector']} at {o['exact_fraction']:g} of the prefix, "
+             f"value rescale c = {o['value_rescale']}; prompts of {', '.join(str(n) for n in o['lengths'])} tokens; "
+             f"{o['n_docs']} documents per length; 95 % percentile-bootstrap CIs over documents ({o['n_boot']} resamples)")
+    L.append("- texts (disjoint from the calibration text of `fit`): " + "; ".join(res.sources))
+    if elapsed_s is not None:
+        L.append(f"- run time: {elapsed_s / 60:.1f} min")
+    L.append("")
+    L.append("ΔNLL = NLL with fill − NLL of exact prefill on the same tokens (nats; the tail rows' next-token "
+             "losses), token-weighted mean over documents. Novel: the token's 8-token run does not occur earlier "
+             "in the prompt. Key: exact loss rises by more than 2 nats when the context is cut to the last K tokens "
+             "(one cut run per document: the first tail row sees K tokens, the last K + T − 1). "
+             "Speed: median exact prefill time / median prefill time of the variant, same context, same runs.\n")
+    for n in sorted(res.summary, key=int):
+        s = res.summary[n]
+        L.append(f"## {n}-token prompts\n")
+        L.append(f"Key-token cut: K = {res.key_cut[n]['k']} ({res.key_cut[n]['note']})\n")
+        nd = len(res.docs[n]["exact"])
+        nov = sum(r["n_novel"] for r in res.docs[n]["exact"])
+        key = sum(r["n_key"] for r in res.docs[n]["exact"])
+        tok = sum(len(r["nll_exact"]) for r in res.docs[n]["exact"])
+        kinds = {}
+        for r in res.docs[n]["exact"]:
+            kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+        L.append(f"n = {nd} documents ({', '.join(f'{v} {k}' for k, v in kinds.items())}); {tok} scored tokens, "
+                 f"{nov} novel, {key} key.\n")
+        L.append("| variant | ΔNLL novel | ΔNLL key | ΔNLL all | perplexity ratio (all) | speed vs exact | ceiling 1/r |")
+        L.append("|---|---|---|---|---|---|---|")
+        for v, row in s.items():
+            plan = res.plans[n].get(v, res.plans[n].get("ridge" if v.startswith("ridge,") else v, {}))
+            L.append(f"| {v} | {_ci(row.get('novel') and row['novel']['delta'])} | "
+                     f"{_ci(row.get('key') and row['key']['delta'])} | {_ci(row.get('all') and row['all']['delta'])} | "
+                     f"{_ci(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
+                     f"{plan.get('ceiling', float('nan')):.2f}x |")
+        L.append("")
+        if n in res.splice:
+            L.append("**Splice test** (share of the ridge fill's ΔNLL removed when the filled rows' late-layer K, or V, "
+                     "is replaced by the exact one; the exact prefill fills the same cells first):\n")
+            L.append("| spliced | novel | key | all |")
+            L.append("|---|---|---|---|")
+            for name in ("K", "V"):
+                sp = res.splice[n][name]
+                L.append(f"| {name} | {_pct(sp.get('novel'))} | {_pct(sp.get('key'))} | {_pct(sp.get('all'))} |")
+            L.append("")
+        if n in res.retrieval:
+            r = res.retrieval[n]
+            depths = list(next(iter(r.values()))["by_depth"])
+            L.append("**Filled-region retrieval** (a 5-digit access code planted at a depth of the prefix, asked for "
+                     "in the tail, 8 greedy tokens; accuracy with a bootstrap CI over prompts; by depth: correct / "
+                     "prompts):\n")
+            L.append("| condition | accuracy | " + " | ".join(f"depth {d}" for d in depths) + " |")
+            L.append("|---|---|" + "---|" * len(depths))
+            for cond, v in r.items():
+                L.append(f"| {cond} | {_pct(v['accuracy'])} | " +
+                         " | ".join(f"{sum(v['by_depth'][d])}/{len(v['by_depth'][d])}" for d in depths) + " |")
+            L.append("")
+    for p in plots:
+        L.append(f"![{p}]({p})\n")
+    return "\n".join(L) + "\n"
+
+
+def _save(fig, path: Path) -> None:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    _atomic_write(path, buf.getvalue())
+
+
+def _plots(res: EvalResult, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for n, s in sorted(res.summary.items(), key=lambda kv: int(kv[0])):
+        variants = [v for v in s if all(s[v].get(m) for m, _ in METRICS)]
+        fig, ax = plt.subplots(figsize=(7.5, 3.8))
+        width = 0.8 / max(len(variants), 1)
+        for i, v in enumerate(variants):
+            est = [s[v][m]["delta"]["estimate"] for m, _ in METRICS]
+            lo = [s[v][m]["delta"]["estimate"] - s[v][m]["delta"]["low"] for m, _ in METRICS]
+            hi = [s[v][m]["delta"]["high"] - s[v][m]["delta"]["estimate"] for m, _ in METRICS]
+            xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(METRICS))]
+            ax.bar(xs, est, width, yerr=[lo, hi], capsize=3, label=v)
+        ax.set_xticks(range(len(METRICS)), [label for _, label in METRICS])
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_ylabel("ΔNLL vs exact (nats)")
+        ax.set_title(f"{Path(res.model).name}, {n}-token prompts (95 % CI over documents)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / f"delta_nll_{n}.png"
+        _save(fig, p)
+        plt.close(fig)
+        paths.append(p)
+
+    # split sweep: ridge at each split, ΔNLL (novel) and speed
+    if len(res.splits) > 1:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        ax2 = ax.twinx()
+        for n, s in sorted(res.summary.items(), key=lambda kv: int(kv[0])):
+            pts = []
+            for split in res.splits:
+                v = "ridge" if split == res.splits[0] else f"ridge S={split}"
+                if v in s and s[v].get("novel"):
+                    pts.append((split, s[v]["novel"]["delta"], res.ttft_ratio(int(n), v)))
+            pts.sort()
+            xs = [p[0] for p in pts]
+            ax.errorbar(xs, [p[1]["estimate"] for p in pts],
+                        yerr=[[p[1]["estimate"] - p[1]["low"] for p in pts], [p[1]["high"] - p[1]["estimate"] for p in pts]],
+                        marker="o", capsize=3, label=f"ΔNLL novel, {n} tokens")
+            ax2.plot(xs, [p[2] for p in pts], "s--", color="gray", label=f"speed, {n} tokens")
+        ax.set_xlabel("split S")
+        ax.set_ylabel("ΔNLL novel tokens (nats)")
+        ax2.set_ylabel("speed vs exact (x)")
+        ax.set_title(f"{Path(res.model).name}: choosing the split")
+        ax.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        p = out / "split_sweep.png"
+        _save(fig, p)
+        plt.close(fig)
+        paths.append(p)
+
+    # retrieval by depth
+    for n, r in sorted(res.retrieval.items(), key=lambda kv: int(kv[0])):
+        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        for cond, v in r.items():
+            depths = sorted(v["by_depth"], key=float)
+            ax.plot([float(d) for d in depths], [sum(v["by_depth"][d]) / len(v["by_depth"][d]) for d in depths],
+                    marker="o", label=cond)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("depth of the planted fact (fraction of the prefix)")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"filled-region retrieval, {n}-token prompts")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out / f"retrieval_{n}.png"
+        _save(fig, p)
+        plt.close(fig)
+        paths.append(p)
+    return paths

@@ -1,0 +1,98 @@
+"""``ridgefill-gguf eval`` end to end on a tiny model, and its guarantees (exact vs exact)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ridgefill_cpp import corpus
+from ridgefill_cpp.evaluate import EvalOptions, build_documents, default_texts, evaluate, licence_documents
+from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.mapfile import write_map_file
+
+
+@pytest.fixture(scope="module")
+def tiny_maps(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-maps")
+    out = []
+    for split in (4, 3):
+        fit = fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"),
+                             FitOptions(n_tokens=3000, ctx=128, split=split, n_threads=1))
+        out.append(write_map_file(root / f"tiny.S{split}.gguf", fit.maps))
+    return out
+
+
+def test_texts_are_disjoint_from_calibration_and_documented():
+    texts = default_texts()
+    assert {"documentation", "code"} <= set(texts)
+    names = {n for docs in texts.values() for n, _ in docs}
+    calib = {d.name for d in corpus.default_documents("calibration")}
+    assert not names & calib
+    if licence_documents():  # Debian machines
+        assert "prose" in texts and all(n.startswith("licence:") for n, _ in texts["prose"])
+
+
+def test_documents_have_the_length_and_rotate_kinds():
+    texts = {"a": [("a1", "x " * 15), ("a2", "y " * 15)], "b": [("b1", "z " * 100)]}
+    docs = build_documents(lambda t: [ord(c) for c in t], [1], texts, 50, 3)
+    assert [d.kind for d in docs] == ["a", "b"] and all(len(d.tokens) == 51 for d in docs)
+    assert docs[0].name == "a1 (+1)" and docs[0].tokens[0] == 1
+    with pytest.raises(ValueError, match="no 1001-token document"):
+        build_documents(lambda t: [1] * len(t), [], {"a": [("a", "short")]}, 1000, 2)
+
+
+def test_eval_quick_writes_a_well_formed_report(tiny_models, tiny_maps, cli, tmp_path):
+    out = tmp_path / "report"
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--maps", tiny_maps[1], "--quick", "--docs", 3,
+            "--threads", 1, "--out", out)
+    assert r.exit_code == 0, r.output
+    d = json.loads((out / "results.json").read_text())
+    assert d["splits"] == [4, 3] and d["key_cut"]["1024"]["k"] >= 64
+    s = d["summary"]["1024"]
+    assert set(s) == {"ridge", "identity", "ridge S=3", "ridge, exact K", "ridge, exact V"}
+    for v in s.values():
+        for m in ("all", "novel"):
+            ci = v[m]["delta"]
+            assert ci["low"] <= ci["estimate"] <= ci["high"] and ci["n"] == 3
+    assert len(d["docs"]["1024"]["exact"]) == 3
+    assert set(d["retrieval"]["1024"]) == {"exact", "ridge, planted row filled", "ridge, attention selector",
+                                           "identity, planted row filled", "identity, attention selector"}
+    md = (out / "report.md").read_text()
+    assert "## 1024-token prompts" in md and "Splice test" in md and "Filled-region retrieval" in md
+    assert "PSF-2.0" in md and "K = " in md
+    for png in ("delta_nll_1024.png", "split_sweep.png", "retrieval_1024.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in md
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_exact_against_exact_is_zero(tiny_models, tiny_maps):
+    """Fill variants that run stock prefill (prompts below min_prompt): ΔNLL is exactly 0 on every
+    metric and document, and retrieval answers equal exact's."""
+    res = evaluate(tiny_models["llama"], [tiny_maps[0]],
+                   EvalOptions.quick(min_prompt=10**6, n_docs=3, splice=False, n_threads=1))
+    for v, row in res.summary["1024"].items():
+        for m in ("all", "novel"):
+            assert row[m]["delta"]["estimate"] == 0.0 and row[m]["delta"]["low"] == row[m]["delta"]["high"] == 0.0, (v, m)
+    for v, recs in res.docs["1024"].items():
+        if v != "exact":
+            assert all(r["all"][0] == 0.0 for r in recs)
+    preds = {c: v["predictions"] for c, v in res.retrieval["1024"].items()}
+    assert all(p == preds["exact"] for p in preds.values())
+
+
+def test_eval_bad_input(tiny_models, tiny_maps, cli, tmp_path):
+    r = cli("eval", tiny_models["qwen3"], "--maps", tiny_maps[0], "--quick", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "architecture" in r.output
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--lengths", "100", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "at least 4 x the tail" in r.output
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--lengths", "4000", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "longer than the model's context" in r.output
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--maps", tiny_maps[0], "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "two map files for the same split" in r.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--text", empty, "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "text found" in r.output
+    assert not (tmp_path / "x").exists()
