@@ -275,6 +275,7 @@ class EvalResult:
     retrieval: dict = field(default_factory=dict)
     # length -> variant -> {"ceiling": ..., "n_exact": ...}
     plans: dict = field(default_factory=dict)
+    elapsed_s: float | None = None   # wall time of the whole evaluation
 
     def ttft_ratio(self, n: int, variant: str) -> float:
         return statistics.median(self.times[str(n)]["exact"]) / statistics.median(self.times[str(n)][variant])

@@ -30,9 +30,12 @@ def _ci(d: dict | None, fmt: str = "{:+.4f}") -> str:
     return f"{fmt.format(d['estimate'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
 
 
-def _pct(d: dict | None) -> str:
-    if not d:
+def _pct(d: dict | None, fill_positive: bool = False) -> str:
+    if not d or d["estimate"] != d["estimate"]:
         return "—"
+    if d["low"] != d["low"]:  # NaN: some resample had no fill error to apportion
+        # the point estimate means something only when the fill's own ΔNLL is clearly above 0
+        return f"{100 * d['estimate']:.0f} % (CI undefined)" if fill_positive else "undefined"
     return f"{100 * d['estimate']:.0f} % [{100 * d['low']:.0f}, {100 * d['high']:.0f}]"
 
 
@@ -40,6 +43,8 @@ def write_report(res: EvalResult, out_dir: os.PathLike | str, elapsed_s: float |
     """Write report.md, results.json and the plots into ``out_dir``; return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if elapsed_s is not None:
+        res.elapsed_s = elapsed_s
     written = []
     plots = _plots(res, out)
     written += plots
@@ -49,7 +54,7 @@ def write_report(res: EvalResult, out_dir: os.PathLike | str, elapsed_s: float |
     written.append(j)
 
     md = out / "report.md"
-    _atomic_write(md, _markdown(res, [p.name for p in plots], elapsed_s).encode())
+    _atomic_write(md, _markdown(res, [p.name for p in plots], res.elapsed_s).encode())
     written.append(md)
     return written
 
@@ -97,11 +102,16 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
         if n in res.splice:
             L.append("**Splice test** (share of the ridge fill's ΔNLL removed when the filled rows' late-layer K, or V, "
                      "is replaced by the exact one; the exact prefill fills the same cells first):\n")
+            L.append("(\"undefined\": in some bootstrap resample the fill's pooled ΔNLL is not above 0, so there is "
+                     "nothing to apportion; the point estimate is shown when the fill's own ΔNLL CI is above 0. "
+                     "\"—\": the fill's ΔNLL is not above 0 at all.)\n")
             L.append("| spliced | novel | key | all |")
             L.append("|---|---|---|---|")
+            ridge = s.get("ridge", {})
+            pos = {m: bool(ridge.get(m) and ridge[m]["delta"]["low"] > 0) for m in ("novel", "key", "all")}
             for name in ("K", "V"):
                 sp = res.splice[n][name]
-                L.append(f"| {name} | {_pct(sp.get('novel'))} | {_pct(sp.get('key'))} | {_pct(sp.get('all'))} |")
+                L.append(f"| {name} | " + " | ".join(_pct(sp.get(m), pos[m]) for m in ("novel", "key", "all")) + " |")
             L.append("")
         if n in res.retrieval:
             r = res.retrieval[n]
