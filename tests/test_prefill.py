@@ -566,3 +566,29 @@ def test_splice_keeps_the_exact_k_or_v_of_filled_rows(arch, tiny_models, oracles
             run.detach()
     finally:
         run.close()
+
+
+@pytest.mark.slow
+def test_quantized_kv_cache_on_a_real_model(smollm2_path):
+    """A Q8_0 K/V cache (flash attention; llama.cpp may rotate quantized K/V): all rows exact is
+    bit-identical to stock, and the filled rows' K/V land where the F16-cache run puts them (the
+    two fills agree far better than either agrees with stock)."""
+    from ridgefill_cpp.bench import kl_divergence, prompt_tokens
+
+    def run(rf, cache_type):
+        llm = Llama(str(smollm2_path), ridgefill=rf, n_ctx=1280, n_batch=512, n_ubatch=512, verbose=False,
+                    flash_attn=True, type_k=cache_type, type_v=cache_type, n_threads=2)
+        try:
+            llm.eval(prompt_tokens(llm, 1200))
+            return _last_logits(llm), llm.ridgefill_stats
+        finally:
+            llm.close()
+
+    q8, f16 = 8, 1
+    stock, _ = run(None, q8)
+    exact, st = run(RidgeFill.identity(20, exact_fraction=1.0, value_rescale=0, min_prompt=0), q8)
+    assert st["n_filled"] == 0 and np.array_equal(exact, stock)
+    fill_q8, st = run(RidgeFill.identity(20, min_prompt=0), q8)
+    fill_f16, _ = run(RidgeFill.identity(20, min_prompt=0), f16)
+    assert st["n_filled"] > 900
+    assert kl_divergence(fill_f16, fill_q8) < 0.2 * kl_divergence(stock, fill_q8)
