@@ -189,6 +189,9 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (params.n_rescale < 0) {
         return format("value rescale rows %d must be >= 0 (0: off)", params.n_rescale);
     }
+    if (params.n_key_rescale < 0) {
+        return format("key rescale rows %d must be >= 0 (0: off)", params.n_key_rescale);
+    }
     if (params.min_prompt < 0 || params.n_fill_chunk < 0) {
         return "min_prompt and n_fill_chunk must be >= 0";
     }
@@ -441,6 +444,9 @@ bool llama_ridgefill_context::reserve() {
             cur.r_src = xx;
             cur.r_src_rows.assign(n_r, 0);
             cur.r_rows.assign(n_r, 0);
+            const int32_t n_rk = std::min(params.n_key_rescale, params.n_tail);
+            cur.rk_src_rows.assign(n_rk, 0);
+            cur.rk_rows.assign(n_rk, 0);
         }
 
         lctx.n_outputs = late ? 1 : 0;
@@ -603,6 +609,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     }
 
     const int32_t n_scale_rows = std::min(params.n_rescale, T);
+    const int32_t n_key_rows   = std::min(params.n_key_rescale, T);
 
     cur.model  = &model;
     cur.maps   = maps;
@@ -613,6 +620,9 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     cur.splice = params.splice;
     for (int32_t i = 0; i < n_scale_rows; ++i) {
         cur.r_rows.push_back(n_prefix + i);
+    }
+    for (int32_t i = 0; i < n_key_rows; ++i) {
+        cur.rk_rows.push_back(n_prefix + i);
     }
 
     if (!res_late) {
@@ -627,6 +637,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
         return n;
     }();
     last_v_scales.assign((size_t) (n_layer - S)*n_head_kv_max, 1.0f);
+    last_k_scales.assign(n_key_rows > 0 ? (size_t) (n_layer - S)*n_head_kv_max : 0, 1.0f);
 
     const uint32_t n_outputs_saved = lctx.n_outputs;
     ggml_backend_sched_t sched = lctx.sched.get();
@@ -699,8 +710,13 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             for (int32_t i = 0; i < n_scale_rows; ++i) {
                 cur.r_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
             }
+            cur.rk_src_rows.clear();
+            for (int32_t i = 0; i < n_key_rows; ++i) {
+                cur.rk_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
+            }
             cur.inp     = nullptr;
             cur.v_scale = nullptr;
+            cur.k_scale = nullptr;
 
             lctx.n_outputs = (int32_t) out_idx.size();
 
@@ -727,6 +743,9 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
 
             if (cur.v_scale) {
                 ggml_backend_tensor_get(cur.v_scale, last_v_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.v_scale));
+            }
+            if (cur.k_scale) {
+                ggml_backend_tensor_get(cur.k_scale, last_k_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.k_scale));
             }
             if (last_layer) {
                 ggml_tensor * t_logits = res->get_logits();
@@ -796,6 +815,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.min_prompt     =*/ 1024,
         /*.n_fill_chunk   =*/ 0,
         /*.splice         =*/ LLAMA_RIDGEFILL_SPLICE_NONE,
+        /*.n_key_rescale  =*/ 0,
     };
     return p;
 }
@@ -958,6 +978,18 @@ int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out
     const int32_t m = (int32_t) rf->last_v_scales.size();
     if (out) {
         std::copy_n(rf->last_v_scales.begin(), std::min(m, std::max(n, 0)), out);
+    }
+    return m;
+}
+
+int32_t llama_ridgefill_get_key_scales(struct llama_context * ctx, float * out, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    const int32_t m = (int32_t) rf->last_k_scales.size();
+    if (out) {
+        std::copy_n(rf->last_k_scales.begin(), std::min(m, std::max(n, 0)), out);
     }
     return m;
 }

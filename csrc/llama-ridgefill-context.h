@@ -102,4 +102,5 @@ struct llama_ridgefill_context {
     std::vector<llama_pos> last_exact;
     std::vector<float>     last_scores;
     std::vector<float>     last_v_scales;
+    std::vector<float>     last_k_scales;
 };

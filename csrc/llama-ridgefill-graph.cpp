@@ -45,6 +45,8 @@ public:
     ggml_tensor * f_vidx_swa  = nullptr;
     ggml_tensor * r_src_rows  = nullptr;
     ggml_tensor * r_rows      = nullptr;
+    ggml_tensor * rk_src_rows = nullptr;
+    ggml_tensor * rk_rows     = nullptr;
 
 private:
     struct input_set {
@@ -158,13 +160,17 @@ static void rf_build_kv(
 
     k = ggml_reshape_3d(ctx0, k, d_k, n_head_kv, n);
 
+    // pos == nullptr: the caller wants norms only, and RoPE rotates pairs of dimensions (norms
+    // unchanged): k-norm, no RoPE
     switch (model.arch) {
         case LLM_ARCH_LLAMA:
             {
                 ggml_tensor * rope_factors = model.get_rope_factors(g.cparams, il);
-                k = ggml_rope_ext(ctx0, k, pos, rope_factors,
-                        g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
-                        g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                if (pos) {
+                    k = ggml_rope_ext(ctx0, k, pos, rope_factors,
+                            g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
+                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                }
                 if (hparams.use_kq_norm) {
                     k = ggml_rms_norm(ctx0, k, hparams.f_norm_rms_eps);
                 }
@@ -172,9 +178,11 @@ static void rf_build_kv(
         case LLM_ARCH_QWEN3:
             {
                 k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
-                k = ggml_rope_ext(ctx0, k, pos, nullptr,
-                        g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
-                        g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                if (pos) {
+                    k = ggml_rope_ext(ctx0, k, pos, nullptr,
+                            g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
+                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                }
             } break;
         case LLM_ARCH_GEMMA3:
             {
@@ -182,9 +190,11 @@ static void rf_build_kv(
                 const float freq_base_l  = iswa ? model.get_rope_freq_base (g.cparams, il) : g.freq_base;
                 const float freq_scale_l = iswa ? model.get_rope_freq_scale(g.cparams, il) : g.freq_scale;
                 k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
-                k = ggml_rope_ext(ctx0, k, pos, nullptr,
-                        g.n_rot, g.rope_type, g.n_ctx_orig, freq_base_l, freq_scale_l,
-                        g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                if (pos) {
+                    k = ggml_rope_ext(ctx0, k, pos, nullptr,
+                            g.n_rot, g.rope_type, g.n_ctx_orig, freq_base_l, freq_scale_l,
+                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                }
             } break;
         default:
             GGML_ABORT("ridgefill: no K/V path for architecture %s", llm_arch_name(model.arch));
@@ -201,6 +211,14 @@ static ggml_tensor * rf_mean_head_norm(ggml_context * ctx0, ggml_tensor * v) {
     nrm = ggml_sum_rows(ctx0, nrm);                                                 // [1, 1, n_head_kv]
     nrm = ggml_reshape_2d(ctx0, nrm, 1, v->ne[1]);
     return ggml_scale(ctx0, nrm, 1.0f/float(n));
+}
+
+// s = num / den per head, and 1 where den = 0 (a head whose predicted K or V vanishes): with
+// m = step(den), s = (num·m + 1 - m) / (den + 1 - m)
+static ggml_tensor * rf_safe_ratio(ggml_context * ctx0, ggml_tensor * num, ggml_tensor * den) {
+    ggml_tensor * m    = ggml_step(ctx0, den);
+    ggml_tensor * notm = ggml_scale_bias(ctx0, m, -1.0f, 1.0f);
+    return ggml_div(ctx0, ggml_add(ctx0, ggml_mul(ctx0, num, m), notm), ggml_add(ctx0, den, notm));
 }
 
 // early phase: the selector query rows' attention at this layer, summed over heads and rows, added
@@ -276,18 +294,34 @@ static void rf_build_fill(
         rf_build_kv(g, il, xe, nullptr, nullptr, &ve);
         rf_build_kv(g, il, xp, nullptr, nullptr, &vp);
 
-        // s = num / den, and 1 where den = 0 (a head whose predicted V vanishes): with m = step(den),
-        // s = (num·m + 1 - m) / (den + 1 - m)
-        ggml_tensor * num  = rf_mean_head_norm(ctx0, ve);
-        ggml_tensor * den  = rf_mean_head_norm(ctx0, vp);
-        ggml_tensor * m    = ggml_step(ctx0, den);
-        ggml_tensor * notm = ggml_scale_bias(ctx0, m, -1.0f, 1.0f);
-        scale = ggml_div(ctx0, ggml_add(ctx0, ggml_mul(ctx0, num, m), notm), ggml_add(ctx0, den, notm)); // [1, n_head_kv]
+        scale = rf_safe_ratio(ctx0, rf_mean_head_norm(ctx0, ve), rf_mean_head_norm(ctx0, vp)); // [1, n_head_kv]
         ggml_set_name(scale, "ridgefill_v_scale");
         ggml_set_output(scale);
         ggml_build_forward_expand(g.gf, scale);
         rf->v_scale = scale;
         scale = ggml_reshape_3d(ctx0, scale, 1, n_head_kv, 1);
+    }
+
+    // (a') the key scale (issue #8), the same measurement on K (after k-norm; RoPE keeps norms)
+    ggml_tensor * kscale = nullptr;
+    if (!rf->rk_rows.empty()) {
+        inp->rk_src_rows = inp->add(ctx0, GGML_TYPE_I32, rf->rk_src_rows.size(), rf->rk_src_rows.data(), "ridgefill_rk_src_rows");
+        inp->rk_rows     = inp->add(ctx0, GGML_TYPE_I32, rf->rk_rows.size(),     rf->rk_rows.data(),     "ridgefill_rk_rows");
+
+        ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, inp->rk_src_rows);
+        ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->rk_rows));
+
+        ggml_tensor * ke = nullptr;
+        ggml_tensor * kp = nullptr;
+        rf_build_kv(g, il, xe, nullptr, &ke, nullptr);
+        rf_build_kv(g, il, xp, nullptr, &kp, nullptr);
+
+        kscale = rf_safe_ratio(ctx0, rf_mean_head_norm(ctx0, ke), rf_mean_head_norm(ctx0, kp));
+        ggml_set_name(kscale, "ridgefill_k_scale");
+        ggml_set_output(kscale);
+        ggml_build_forward_expand(g.gf, kscale);
+        rf->k_scale = kscale;
+        kscale = ggml_reshape_3d(ctx0, kscale, 1, hparams.n_head_kv(il), 1);
     }
 
     // (b) the filled rows, in chunks
@@ -332,6 +366,9 @@ static void rf_build_fill(
 
         if (scale) {
             v = ggml_mul(ctx0, v, scale);
+        }
+        if (kscale) {
+            k = ggml_mul(ctx0, k, kscale);
         }
         if (k_rot) {
             k = llama_mul_mat_hadamard(ctx0, k, k_rot);

@@ -67,10 +67,13 @@ struct llama_ridgefill_graph {
     ggml_tensor * r_src = nullptr;    // value-scale rows (the first min(c, T) tail rows): their exact
     std::vector<int32_t> r_src_rows;  //   inputs of the layer (rows of r_src: xs at l = S, else xx)
     std::vector<int32_t> r_rows;      //   and their xs rows; empty: no value scale
+    std::vector<int32_t> rk_src_rows; // key-scale rows, as r_src_rows / r_rows; empty: no key scale
+    std::vector<int32_t> rk_rows;
 
     // set while the graph is built: its inputs, and the value-scale tensor to read back
     mutable llm_graph_input_ridgefill * inp = nullptr;
     mutable ggml_tensor * v_scale = nullptr; // [1, n_head_kv]
+    mutable ggml_tensor * k_scale = nullptr; // [1, n_head_kv]
 };
 
 // the first layer a builder runs

@@ -96,6 +96,8 @@ extern "C" {
         int32_t min_prompt;     // prompts of fewer rows run stock prefill
         int32_t n_fill_chunk;   // filled rows per fill step; 0: n_ubatch
         int32_t splice;         // enum llama_ridgefill_splice (diagnostics; NONE in normal use)
+        int32_t n_key_rescale;  // c_K: tail rows a per-head key scale is measured on, applied to the
+                                //   filled K like the value scale to V (0: off, the default)
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);
@@ -157,6 +159,9 @@ extern "C" {
     // the value scales s_{l,h} of the last finished plan, [n_layer - S][n_head_kv] row-major
     // (1 where not measured): copies up to n, returns how many there are
     LLAMA_API int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out, int32_t n);
+
+    // the key scales of the last finished plan, [n_layer - S][n_head_kv] (1 where not measured)
+    LLAMA_API int32_t llama_ridgefill_get_key_scales(struct llama_context * ctx, float * out, int32_t n);
 
     // copy the K and V cache rows of layer il for positions pos[0..n) of seq_id as F32, [n][n_embd_k_gqa]
     // and [n][n_embd_v_gqa] (either output may be NULL). For tests and tools. Returns 0 or -1.

@@ -191,6 +191,7 @@ class llama_ridgefill_params(ctypes.Structure):
         ("min_prompt", ctypes.c_int32),
         ("n_fill_chunk", ctypes.c_int32),
         ("splice", ctypes.c_int32),
+        ("n_key_rescale", ctypes.c_int32),
     ]
 
 
@@ -274,3 +275,8 @@ def llama_ridgefill_get_value_scales(ctx, out, n: int, /) -> int: ...
                  [llama_context_p, ctypes.c_int32, ctypes.c_int32, _pos_p, ctypes.c_int32, _float_p, _float_p],
                  ctypes.c_int32)
 def llama_ridgefill_read_kv(ctx, il: int, seq_id: int, pos, n: int, k_out, v_out, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_key_scales(struct llama_context * ctx, float * out, int32_t n);
+@ctypes_function("llama_ridgefill_get_key_scales", [llama_context_p, _float_p, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_get_key_scales(ctx, out, n: int, /) -> int: ...

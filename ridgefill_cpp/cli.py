@@ -384,6 +384,7 @@ def eval_cmd(
     selector: str = typer.Option("attention", "--selector", help="Exact-row selector of the fill variants: attention or none."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help="Documents per length (default 12; --quick: 4)."),
+    key_rescale: int = typer.Option(0, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V)."),
     quick: bool = typer.Option(False, "--quick", help="Smoke run: 1024-token prompts, 4 documents, 2 retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads."),
@@ -413,7 +414,7 @@ def eval_cmd(
     except GGUFFileError as e:
         _fail(str(e))
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,
-              splice=splice, n_threads=threads)
+              splice=splice, n_threads=threads, key_rescale=key_rescale)
     if docs is not None:
         kw["n_docs"] = docs
     if quick:

@@ -61,6 +61,7 @@ class EvalOptions:
     n_threads: int | None = None
     n_batch: int = 512
     min_prompt: int = 0              # fill variants run stock prefill below it (tests: exact vs exact)
+    key_rescale: int = 0             # > 0: also the variant "ridge + key rescale" (c_K rows; issue #8)
 
     @classmethod
     def quick(cls, **kw) -> "EvalOptions":
@@ -187,7 +188,8 @@ class _Runner:
             self.maps[key] = NativeMaps(self.llm._model.model, path, model_path=self.info.path)
         return self.maps[key]
 
-    def attach(self, maps_path, split: int, options: EvalOptions, selector: str | None = None, splice: int = 0) -> None:
+    def attach(self, maps_path, split: int, options: EvalOptions, selector: str | None = None, splice: int = 0,
+               key_rescale: int = 0) -> None:
         N = self.N
         p = N.llama_ridgefill_default_params()
         p.split_layer = split
@@ -198,6 +200,7 @@ class _Runner:
         p.n_rescale = options.value_rescale
         p.min_prompt = options.min_prompt
         p.splice = splice
+        p.n_key_rescale = key_rescale
         maps = self.native_maps(maps_path).handle if maps_path is not None else None
         if N.llama_ridgefill_attach(self.ctx, maps, p) != 0:
             raise ValueError(N.llama_ridgefill_last_error().decode(errors="replace"))
@@ -323,7 +326,8 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
                      n_layer=info.n_layer, options=asdict(options), sources=text_sources(texts), key_cut={})
     T = options.tail
     n_splice = 2 if options.splice else 0
-    per_doc_runs = 4 + len(splits) - 1 + 2 * n_splice  # exact, cut, ridge, identity, sweep, (exact + splice) x 2
+    # exact, cut, ridge, identity, sweep, key rescale, (exact + splice) x 2
+    per_doc_runs = 4 + len(splits) - 1 + (options.key_rescale > 0) + 2 * n_splice
     conditions = ["exact", "ridge, planted row filled", "ridge, attention selector", "identity, planted row filled",
                   "identity, attention selector"]
     n_retr = len(options.depths) * options.names_per_depth
@@ -349,6 +353,8 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
             kc = metrics.scaled_key_cut(info.context_length or n, n - T)
             res.key_cut[key] = {"k": kc.k, "note": kc.note}
             variants = ["ridge", "identity"] + [_variant_name(s, S0) for s in splits[1:]]
+            if options.key_rescale > 0:
+                variants.append("ridge + key rescale")
             if options.splice:
                 variants += ["ridge, exact K", "ridge, exact V"]
             recs = {v: [] for v in ["exact"] + variants}
@@ -380,8 +386,10 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
 
                 fills = [("ridge", maps[0], S0, 0), ("identity", None, S0, 0)]
                 fills += [(_variant_name(s, S0), m, s, 0) for m, s in zip(maps[1:], splits[1:])]
-                for variant, mp, s, _ in fills:
-                    run.attach(mp, s, options)
+                if options.key_rescale > 0:
+                    fills.append(("ridge + key rescale", maps[0], S0, options.key_rescale))
+                for variant, mp, s, krs in fills:
+                    run.attach(mp, s, options, key_rescale=krs)
                     logits, dt = run.prefill(prompt, T, plan=True)
                     scored(variant, _nll(logits, targets), dt)
                     if variant not in plans:

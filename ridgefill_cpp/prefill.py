@@ -41,6 +41,7 @@ class RidgeFill:
     ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"none"``, or a list of absolute positions that stay exact.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
+    ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the
     attention selector's layer (default: the last full-attention layer below S).
     ``fill_chunk``: filled rows per fill step (0: ``n_ubatch``).
@@ -52,6 +53,7 @@ class RidgeFill:
     exact_fraction: float = 0.10
     selector: str | Sequence[int] = "attention"
     value_rescale: int = 512
+    key_rescale: int = 0
     min_prompt: int = 1024
     n_queries: int = 64
     selector_layer: int | None = None
@@ -81,6 +83,8 @@ class RidgeFill:
             raise ValueError(f"exact_fraction {self.exact_fraction!r} outside [0, 1]")
         if self.value_rescale < 0:
             raise ValueError(f"value_rescale {self.value_rescale} must be >= 0 (0: off)")
+        if self.key_rescale < 0:
+            raise ValueError(f"key_rescale {self.key_rescale} must be >= 0 (0: off)")
         if self.min_prompt < 0:
             raise ValueError(f"min_prompt {self.min_prompt} must be >= 0")
         if self.n_queries < 1:
@@ -103,6 +107,7 @@ class RidgeFill:
         p.n_sel_queries = int(self.n_queries)
         p.sel_layer = -1 if self.selector_layer is None else int(self.selector_layer)
         p.n_rescale = int(self.value_rescale)
+        p.n_key_rescale = int(self.key_rescale)
         p.min_prompt = int(self.min_prompt)
         p.n_fill_chunk = int(self.fill_chunk)
         return p
@@ -236,6 +241,18 @@ class Llama(llama_cpp.Llama):
             return []
         buf = (ctypes.c_float * n)()
         N.llama_ridgefill_get_value_scales(ctx, buf, n)
+        n_late = self.ridgefill_stats["n_layer"] - self.ridgefill_stats["split"]
+        per = n // max(n_late, 1)
+        return [list(buf[i * per:(i + 1) * per]) for i in range(n_late)]
+
+    def ridgefill_key_scales(self) -> list[list[float]]:
+        """The key scales of the last RidgeFill prefill (``key_rescale`` > 0), one row per late layer."""
+        ctx = self._ctx.ctx
+        n = N.llama_ridgefill_get_key_scales(ctx, None, 0)
+        if n <= 0 or not self.ridgefill_stats:
+            return []
+        buf = (ctypes.c_float * n)()
+        N.llama_ridgefill_get_key_scales(ctx, buf, n)
         n_late = self.ridgefill_stats["n_layer"] - self.ridgefill_stats["split"]
         per = n // max(n_late, 1)
         return [list(buf[i * per:(i + 1) * per]) for i in range(n_late)]

@@ -592,3 +592,29 @@ def test_quantized_kv_cache_on_a_real_model(smollm2_path):
     fill_f16, _ = run(RidgeFill.identity(20, min_prompt=0), f16)
     assert st["n_filled"] > 900
     assert kl_divergence(fill_f16, fill_q8) < 0.2 * kl_divergence(stock, fill_q8)
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_key_rescale_matches_the_oracle(arch, tiny_models, oracles, prompt, map_files):
+    """The key scale (issue #8): measured like the value scale on the first min(c_K, T) tail rows,
+    applied to the filled K; logits, K rows and the scales as the oracle has them."""
+    o = oracles[arch]
+    S = _split(arch, o)
+    exact = [4, 33, 77]
+    ref = fill_forward(o, prompt, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=exact,
+                       value_rescale=512, key_rescale=8)
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, selector=exact, key_rescale=8,
+                                                          min_prompt=0), **_ctx_kwargs(n_ubatch=32))
+    try:
+        llm.eval(prompt)
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
+        ks = np.array(llm.ridgefill_key_scales())
+        np.testing.assert_allclose(ks, ref.key_scales.numpy(), rtol=TOL[arch])
+        assert np.abs(ks[1:] - 1).max() > 1e-3
+        for il in range(S, o.n_layer):
+            k, _ = llm.read_kv(il, list(range(N_TOKENS)))
+            assert _rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < TOL[arch]
+        with pytest.raises(ValueError, match="key_rescale -1 must be >= 0"):
+            RidgeFill(map_files[arch], key_rescale=-1)
+    finally:
+        llm.close()

@@ -104,6 +104,7 @@ class FillOutput:
     hidden_out: torch.Tensor  # [n_exact, n_embd]: the residual after the last layer, exact rows
     logits: torch.Tensor  # [1, n_vocab] (last row) or [T, n_vocab] (tail rows, tail_logits=True)
     gdn_states: dict[int, "GDNState"] = field(default_factory=dict)  # qwen35: GDN layer -> final state
+    key_scales: torch.Tensor | None = None  # [L - S, n_head_kv] (key_rescale > 0), else None
 
     @property
     def last_logits(self) -> torch.Tensor:
@@ -174,6 +175,19 @@ def value_scale(oracle: Oracle, il: int, x_exact: torch.Tensor, x_pred: torch.Te
     return torch.where(den > 0, num / torch.where(den > 0, den, one), one)
 
 
+def key_scale(oracle: Oracle, il: int, x_exact: torch.Tensor, x_pred: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    """The key analogue of :func:`value_scale` (issue #8's key rescale): mean ‖K(x_exact)‖ /
+    mean ‖K(x_pred)‖ per KV head, K as the cache stores it (after k-norm and RoPE; RoPE rotates
+    pairs of dimensions, so the norms are those before it). A zero denominator gives 1."""
+    k_exact, _ = oracle.kv_path(il, x_exact, positions)
+    k_pred, _ = oracle.kv_path(il, x_pred, positions)
+    num = k_exact.norm(dim=-1).mean(dim=0)
+    den = k_pred.norm(dim=-1).mean(dim=0)
+    one = torch.ones_like(den)
+    return torch.where(den > 0, num / torch.where(den > 0, den, one), one)
+
+
 def _check_maps(oracle: Oracle, maps: "RidgeMaps", split: int, n_embd: int) -> None:
     m = maps.meta
     problems = []
@@ -196,12 +210,14 @@ def _check_maps(oracle: Oracle, maps: "RidgeMaps", split: int, n_embd: int) -> N
 @torch.no_grad()
 def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "RidgeMaps | None" = None,
                  tail: int, exact_positions: Sequence[int] = (), value_rescale: int = DEFAULT_VALUE_RESCALE,
-                 tail_logits: bool = False) -> FillOutput:
+                 key_rescale: int = 0, tail_logits: bool = False) -> FillOutput:
     """Filled-row prefill of `tokens` (a fresh sequence, positions 0..N-1), DESIGN §4.
 
     `split` S (1..L; S = L is the exact forward), `maps` the ridge maps fitted for S (None:
     identity fill), `tail` T ≥ 1, `exact_positions` the prefix rows kept exact (absolute
-    positions, e.g. from :func:`select_attention_rows`), `value_rescale` c (0: off).
+    positions, e.g. from :func:`select_attention_rows`), `value_rescale` c (0: off), `key_rescale`
+    c_K: the key analogue of the value scale, measured on the first min(c_K, T) tail rows and applied
+    to the filled K (0: off, the default; issue #8).
     `tail_logits`: logits of every tail row instead of the last one only.
     """
     tokens = [int(t) for t in tokens]
@@ -214,6 +230,8 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
         raise ValueError(f"tail {tail}: at least the last row must be exact")
     if value_rescale < 0:
         raise ValueError(f"value_rescale {value_rescale} must be ≥ 0 (0: off)")
+    if key_rescale < 0:
+        raise ValueError(f"key_rescale {key_rescale} must be ≥ 0 (0: off)")
     tail = min(tail, n)
     x = oracle.embed(tokens)
     if maps is not None:
@@ -228,6 +246,7 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     values: list[torch.Tensor | None] = [None] * n_layer
     gdn_states: dict[int, GDNState] = {}
     value_scales = torch.ones(n_layer - split, oracle.n_head_kv, dtype=x.dtype)
+    key_scales = torch.ones(n_layer - split, oracle.n_head_kv, dtype=x.dtype) if key_rescale > 0 else None
 
     # §4.1: layers 0..S-1 run exactly on all rows (all layers when the plan is inactive); this
     # loop is the oracle's exact forward pass, piece by piece
@@ -254,6 +273,9 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     n_scale_rows = min(value_rescale, tail)
     scale_rows = torch.arange(n - tail, n - tail + n_scale_rows)  # the first min(c, T) tail rows
     scale_in_exact = torch.searchsorted(exact, scale_rows)  # their index among the exact rows
+    n_key_rows = min(key_rescale, tail)
+    key_rows = torch.arange(n - tail, n - tail + n_key_rows)
+    key_in_exact = torch.searchsorted(exact, key_rows)
 
     for il in range(split, n_layer):
         x_hat = predicted_input(oracle, maps, il, split, x_split[filled])
@@ -273,9 +295,14 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
             x_pred_tail = predicted_input(oracle, maps, il, split, x_split[scale_rows])
             value_scales[il - split] = value_scale(oracle, il, x_exact[scale_in_exact], x_pred_tail, scale_rows)
         s = value_scales[il - split]
+        if key_scales is not None and n_key_rows > 0:
+            x_pred_key = predicted_input(oracle, maps, il, split, x_split[key_rows])
+            key_scales[il - split] = key_scale(oracle, il, x_exact[key_in_exact], x_pred_key, key_rows)
         # (b) filled rows: the layer's own K/V path on x̂_l, V rescaled, into the cache
         k_filled, v_filled = oracle.kv_path(il, x_hat, positions[filled])
         v_filled = v_filled * s[None, :, None]
+        if key_scales is not None:
+            k_filled = k_filled * key_scales[il - split][None, :, None]
         # exact rows' K/V: the same path on their exact input
         k_exact, v_exact = oracle.kv_path(il, x_exact, positions[exact])
         k_cache = torch.empty(n, *k_exact.shape[1:], dtype=k_exact.dtype)
@@ -286,8 +313,10 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
         # (c) exact rows run the rest of the layer over the whole cache
         x_exact = oracle.layer_over_cache(il, x_exact, positions[exact], k_cache, v_cache, positions)
 
-    return _output(oracle, tokens, positions, split, tail, roles, True, layer_inputs, keys, values,
-                   value_scales, n_scale_rows, x_exact, tail_logits, gdn_states)
+    out = _output(oracle, tokens, positions, split, tail, roles, True, layer_inputs, keys, values,
+                  value_scales, n_scale_rows, x_exact, tail_logits, gdn_states)
+    out.key_scales = key_scales
+    return out
 
 
 def _output(oracle, tokens, positions, split, tail, roles, active, layer_inputs, keys, values, value_scales,
