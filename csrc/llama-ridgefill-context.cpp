@@ -803,6 +803,16 @@ static llama_ridgefill_context * rf_get(llama_context * ctx, const char * func) 
     return ctx->ridgefill.get();
 }
 
+// copy up to n elements of v to out (when out is not NULL); the number of elements there are
+template <typename T>
+static int32_t rf_copy_out(const std::vector<T> & v, T * out, int32_t n) {
+    const int32_t m = (int32_t) v.size();
+    if (out) {
+        std::copy_n(v.begin(), std::min(m, std::max(n, 0)), out);
+    }
+    return m;
+}
+
 struct llama_ridgefill_params llama_ridgefill_default_params(void) {
     llama_ridgefill_params p = {
         /*.split_layer    =*/ -1,
@@ -948,50 +958,22 @@ int32_t llama_ridgefill_get_stats(struct llama_context * ctx, struct llama_ridge
 
 int32_t llama_ridgefill_get_exact(struct llama_context * ctx, llama_pos * out, int32_t n) {
     auto * rf = rf_get(ctx, __func__);
-    if (!rf) {
-        return -1;
-    }
-    const int32_t m = (int32_t) rf->last_exact.size();
-    if (out) {
-        std::copy_n(rf->last_exact.begin(), std::min(m, std::max(n, 0)), out);
-    }
-    return m;
+    return rf ? rf_copy_out(rf->last_exact, out, n) : -1;
 }
 
 int32_t llama_ridgefill_get_scores(struct llama_context * ctx, float * out, int32_t n) {
     auto * rf = rf_get(ctx, __func__);
-    if (!rf) {
-        return -1;
-    }
-    const int32_t m = (int32_t) rf->last_scores.size();
-    if (out) {
-        std::copy_n(rf->last_scores.begin(), std::min(m, std::max(n, 0)), out);
-    }
-    return m;
+    return rf ? rf_copy_out(rf->last_scores, out, n) : -1;
 }
 
 int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out, int32_t n) {
     auto * rf = rf_get(ctx, __func__);
-    if (!rf) {
-        return -1;
-    }
-    const int32_t m = (int32_t) rf->last_v_scales.size();
-    if (out) {
-        std::copy_n(rf->last_v_scales.begin(), std::min(m, std::max(n, 0)), out);
-    }
-    return m;
+    return rf ? rf_copy_out(rf->last_v_scales, out, n) : -1;
 }
 
 int32_t llama_ridgefill_get_key_scales(struct llama_context * ctx, float * out, int32_t n) {
     auto * rf = rf_get(ctx, __func__);
-    if (!rf) {
-        return -1;
-    }
-    const int32_t m = (int32_t) rf->last_k_scales.size();
-    if (out) {
-        std::copy_n(rf->last_k_scales.begin(), std::min(m, std::max(n, 0)), out);
-    }
-    return m;
+    return rf ? rf_copy_out(rf->last_k_scales, out, n) : -1;
 }
 
 int32_t llama_ridgefill_read_kv(

@@ -233,40 +233,34 @@ class Llama(llama_cpp.Llama):
             "prefill_ms": prefill_ms,
         }
 
-    def ridgefill_value_scales(self) -> list[list[float]]:
-        """s_{l,h} of the last RidgeFill prefill, one row per late layer S..L-1 (1 where not measured)."""
-        ctx = self._ctx.ctx
-        n = N.llama_ridgefill_get_value_scales(ctx, None, 0)
-        if n <= 0 or not self.ridgefill_stats:
+    def _floats(self, getter) -> list[float]:
+        n = getter(self._ctx.ctx, None, 0)
+        if n <= 0:
             return []
         buf = (ctypes.c_float * n)()
-        N.llama_ridgefill_get_value_scales(ctx, buf, n)
+        getter(self._ctx.ctx, buf, n)
+        return list(buf)
+
+    def _per_late_layer(self, getter) -> list[list[float]]:
+        values = self._floats(getter)
+        if not values or not self.ridgefill_stats:
+            return []
         n_late = self.ridgefill_stats["n_layer"] - self.ridgefill_stats["split"]
-        per = n // max(n_late, 1)
-        return [list(buf[i * per:(i + 1) * per]) for i in range(n_late)]
+        per = len(values) // max(n_late, 1)
+        return [values[i * per:(i + 1) * per] for i in range(n_late)]
+
+    def ridgefill_value_scales(self) -> list[list[float]]:
+        """s_{l,h} of the last RidgeFill prefill, one row per late layer S..L-1 (1 where not measured)."""
+        return self._per_late_layer(N.llama_ridgefill_get_value_scales)
 
     def ridgefill_key_scales(self) -> list[list[float]]:
         """The key scales of the last RidgeFill prefill (``key_rescale`` > 0), one row per late layer."""
-        ctx = self._ctx.ctx
-        n = N.llama_ridgefill_get_key_scales(ctx, None, 0)
-        if n <= 0 or not self.ridgefill_stats:
-            return []
-        buf = (ctypes.c_float * n)()
-        N.llama_ridgefill_get_key_scales(ctx, buf, n)
-        n_late = self.ridgefill_stats["n_layer"] - self.ridgefill_stats["split"]
-        per = n // max(n_late, 1)
-        return [list(buf[i * per:(i + 1) * per]) for i in range(n_late)]
+        return self._per_late_layer(N.llama_ridgefill_get_key_scales)
 
     def ridgefill_scores(self) -> list[float]:
         """The attention selector's scores of the last RidgeFill prefill, one per prompt row (empty when
         no scores were measured)."""
-        ctx = self._ctx.ctx
-        n = N.llama_ridgefill_get_scores(ctx, None, 0)
-        if n <= 0:
-            return []
-        buf = (ctypes.c_float * n)()
-        N.llama_ridgefill_get_scores(ctx, buf, n)
-        return list(buf)
+        return self._floats(N.llama_ridgefill_get_scores)
 
     def read_kv(self, layer: int, positions: Sequence[int]):
         """K and V cache rows of ``layer`` at ``positions`` (sequence 0) as float32 arrays
