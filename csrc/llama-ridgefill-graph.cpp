@@ -43,10 +43,6 @@ public:
     ggml_tensor * f_cells_swa = nullptr;
     ggml_tensor * f_vidx      = nullptr; // transposed V: one index per element
     ggml_tensor * f_vidx_swa  = nullptr;
-    ggml_tensor * r_src_rows  = nullptr;
-    ggml_tensor * r_rows      = nullptr;
-    ggml_tensor * rk_src_rows = nullptr;
-    ggml_tensor * rk_rows     = nullptr;
 
 private:
     struct input_set {
@@ -264,6 +260,39 @@ static void rf_build_selector(
     ggml_build_forward_expand(g.gf, ggml_cpy(ctx0, ggml_add(ctx0, dst, p), dst));
 }
 
+// per-KV-head scale of layer il, mean ||P(x_l)|| / mean ||P(x̂_l)|| over the scale rows, P the layer's
+// K path (key: after k-norm; RoPE rotates pairs of dimensions, norms unchanged) or V path: the exact
+// inputs are rows src_rows of r_src, the predictions come from rows `rows` of xs. [1, n_head_kv],
+// an output of the graph (read back for the statistics)
+static ggml_tensor * rf_build_head_scale(
+        const llm_graph_context & g,
+                            int   il,
+     const std::vector<int32_t> & src_rows,
+     const std::vector<int32_t> & rows,
+                           bool   key) {
+    const llama_ridgefill_graph * rf = g.rf;
+    ggml_context * ctx0 = g.ctx0;
+    const char   * what = key ? "k" : "v";
+
+    auto * inp = rf_inputs(g);
+    ggml_tensor * t_src  = inp->add(ctx0, GGML_TYPE_I32, src_rows.size(), src_rows.data(), format("ridgefill_%s_scale_src_rows", what).c_str());
+    ggml_tensor * t_rows = inp->add(ctx0, GGML_TYPE_I32, rows.size(),     rows.data(),     format("ridgefill_%s_scale_rows", what).c_str());
+
+    ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, t_src);
+    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, t_rows));
+
+    ggml_tensor * pe = nullptr;
+    ggml_tensor * pp = nullptr;
+    rf_build_kv(g, il, xe, nullptr, key ? &pe : nullptr, key ? nullptr : &pe);
+    rf_build_kv(g, il, xp, nullptr, key ? &pp : nullptr, key ? nullptr : &pp);
+
+    ggml_tensor * scale = rf_safe_ratio(ctx0, rf_mean_head_norm(ctx0, pe), rf_mean_head_norm(ctx0, pp));
+    ggml_set_name(scale, key ? "ridgefill_k_scale" : "ridgefill_v_scale");
+    ggml_set_output(scale);
+    ggml_build_forward_expand(g.gf, scale);
+    return scale;
+}
+
 // late phase: the value scale of layer il, then the filled rows' K/V into their cells
 static void rf_build_fill(
         const llm_graph_context & g,
@@ -283,45 +312,15 @@ static void rf_build_fill(
     //     layer's own V path (the one the cache stores, before any rotation: it keeps norms)
     ggml_tensor * scale = nullptr;
     if (!rf->r_rows.empty()) {
-        inp->r_src_rows = inp->add(ctx0, GGML_TYPE_I32, rf->r_src_rows.size(), rf->r_src_rows.data(), "ridgefill_r_src_rows");
-        inp->r_rows     = inp->add(ctx0, GGML_TYPE_I32, rf->r_rows.size(),     rf->r_rows.data(),     "ridgefill_r_rows");
-
-        ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, inp->r_src_rows);
-        ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->r_rows));
-
-        ggml_tensor * ve = nullptr;
-        ggml_tensor * vp = nullptr;
-        rf_build_kv(g, il, xe, nullptr, nullptr, &ve);
-        rf_build_kv(g, il, xp, nullptr, nullptr, &vp);
-
-        scale = rf_safe_ratio(ctx0, rf_mean_head_norm(ctx0, ve), rf_mean_head_norm(ctx0, vp)); // [1, n_head_kv]
-        ggml_set_name(scale, "ridgefill_v_scale");
-        ggml_set_output(scale);
-        ggml_build_forward_expand(g.gf, scale);
-        rf->v_scale = scale;
-        scale = ggml_reshape_3d(ctx0, scale, 1, n_head_kv, 1);
+        rf->v_scale = rf_build_head_scale(g, il, rf->r_src_rows, rf->r_rows, /*key =*/ false);
+        scale = ggml_reshape_3d(ctx0, rf->v_scale, 1, n_head_kv, 1);
     }
 
     // (a') the key scale (issue #8), the same measurement on K (after k-norm; RoPE keeps norms)
     ggml_tensor * kscale = nullptr;
     if (!rf->rk_rows.empty()) {
-        inp->rk_src_rows = inp->add(ctx0, GGML_TYPE_I32, rf->rk_src_rows.size(), rf->rk_src_rows.data(), "ridgefill_rk_src_rows");
-        inp->rk_rows     = inp->add(ctx0, GGML_TYPE_I32, rf->rk_rows.size(),     rf->rk_rows.data(),     "ridgefill_rk_rows");
-
-        ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, inp->rk_src_rows);
-        ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->rk_rows));
-
-        ggml_tensor * ke = nullptr;
-        ggml_tensor * kp = nullptr;
-        rf_build_kv(g, il, xe, nullptr, &ke, nullptr);
-        rf_build_kv(g, il, xp, nullptr, &kp, nullptr);
-
-        kscale = rf_safe_ratio(ctx0, rf_mean_head_norm(ctx0, ke), rf_mean_head_norm(ctx0, kp));
-        ggml_set_name(kscale, "ridgefill_k_scale");
-        ggml_set_output(kscale);
-        ggml_build_forward_expand(g.gf, kscale);
-        rf->k_scale = kscale;
-        kscale = ggml_reshape_3d(ctx0, kscale, 1, hparams.n_head_kv(il), 1);
+        rf->k_scale = rf_build_head_scale(g, il, rf->rk_src_rows, rf->rk_rows, /*key =*/ true);
+        kscale = ggml_reshape_3d(ctx0, rf->k_scale, 1, n_head_kv, 1);
     }
 
     // (b) the filled rows, in chunks

@@ -286,6 +286,23 @@ def fit(
         out.print(f"wrote {path}", highlight=False)
 
 
+def _check_prefill_args(model: Path, lengths: str, selector: str) -> list[int]:
+    """The --lengths list, after checking it, --selector and the model file (bench, eval)."""
+    from .gguf_model import GGUFFileError, read_model_info
+
+    try:
+        ns = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
+    if selector not in ("attention", "none"):
+        _fail(f"--selector must be attention or none, not {selector!r}")
+    try:
+        read_model_info(model)
+    except GGUFFileError as e:
+        _fail(str(e))
+    return ns
+
+
 @app.command("bench")
 def bench(
     model: Path = typer.Argument(..., help="The model GGUF to time (never modified)."),
@@ -313,19 +330,9 @@ def bench(
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from .bench import RIDGEFILL, STOCK, benchmark_prefill
-    from .gguf_model import GGUFFileError, read_model_info
     from .mapfile import MapFileError
 
-    try:
-        ns = [int(x) for x in lengths.split(",") if x.strip()]
-    except ValueError:
-        _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
-    if selector not in ("attention", "none"):
-        _fail(f"--selector must be attention or none, not {selector!r}")
-    try:
-        read_model_info(model)
-    except GGUFFileError as e:
-        _fail(str(e))
+    ns = _check_prefill_args(model, lengths, selector)
     with Progress(TextColumn("timing prefill"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=err) as bar:
         task = bar.add_task("bench", total=None)
         try:
@@ -399,20 +406,10 @@ def eval_cmd(
 
     from .corpus import read_documents
     from .evaluate import EvalOptions, evaluate
-    from .gguf_model import GGUFFileError, read_model_info
     from .mapfile import MapFileError
     from .report import write_report
 
-    try:
-        ns = [int(x) for x in lengths.split(",") if x.strip()]
-    except ValueError:
-        _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
-    if selector not in ("attention", "none"):
-        _fail(f"--selector must be attention or none, not {selector!r}")
-    try:
-        read_model_info(model)
-    except GGUFFileError as e:
-        _fail(str(e))
+    ns = _check_prefill_args(model, lengths, selector)
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,
               splice=splice, n_threads=threads, key_rescale=key_rescale)
     if docs is not None:

@@ -26,7 +26,6 @@ files. The library never prints; ``progress(done, total, what)`` reports runs.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import statistics
 import time
@@ -160,13 +159,12 @@ def build_documents(tokenize: Callable[[str], list[int]], bos: list[int], texts:
 class _Runner:
     """One context of the model; RidgeFill attached and detached per run through the C API."""
 
-    def __init__(self, model: os.PathLike | str, n_ctx: int, options: EvalOptions):
+    def __init__(self, model: os.PathLike | str, info, n_ctx: int, options: EvalOptions):
         from . import _native as N
-        from .gguf_model import read_model_info
         from .prefill import Llama
 
         self.N = N
-        self.info = read_model_info(model)
+        self.info = info
         self.llm = Llama(str(model), n_ctx=n_ctx, n_batch=options.n_batch, n_ubatch=options.n_batch,
                          n_threads=options.n_threads, n_threads_batch=options.n_threads, verbose=False,
                          flash_attn=True, swa_full=True if self.info.architecture == "gemma3" else None)
@@ -340,7 +338,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
         if progress:
             progress(done, total, what)
 
-    run = _Runner(model, lengths[-1] + 16, options)
+    run = _Runner(model, info, lengths[-1] + 16, options)
     try:
         bos = [run.llm.token_bos()] if run.llm._model.add_bos_token() and run.llm.token_bos() >= 0 else []
 
@@ -502,10 +500,3 @@ def _retrieval(run: _Runner, tokenize, bos, texts, n: int, options: EvalOptions,
         out[cond] = {"by_depth": by_depth, "accuracy": acc._asdict(), "predictions": preds, "answers": answers}
     return out
 
-
-def text_digest(texts: dict[str, list[tuple[str, str]]]) -> str:
-    h = hashlib.sha256()
-    for kind, docs in sorted(texts.items()):
-        for name, text in docs:
-            h.update(kind.encode() + b"\0" + name.encode() + b"\0" + text.encode())
-    return h.hexdigest()[:16]

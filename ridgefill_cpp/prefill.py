@@ -131,7 +131,7 @@ class Llama(llama_cpp.Llama):
         self._rf_maps: NativeMaps | None = None
         self._rf_attached = False
         self.ridgefill_stats: dict[str, Any] = {}
-        self._info = read_model_info(model_path)
+        self._info = None  # the model's ModelInfo, read when RidgeFill needs it
         if ridgefill is None:
             super().__init__(model_path, *args, **kwargs)
             return
@@ -141,6 +141,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError("RidgeFill computes the logits of the last prompt row only: logits_all=True is not supported")
         if kwargs.get("embedding"):
             raise ValueError("RidgeFill prefill does not apply to embedding contexts (embedding=True)")
+        self._info = read_model_info(model_path)
         if self._info.architecture == "gemma3" and kwargs.get("swa_full") is None:
             # sliding-window layers of filled and exact rows need every cell of the prompt kept
             kwargs["swa_full"] = True
@@ -267,6 +268,8 @@ class Llama(llama_cpp.Llama):
         [n, n_embd_k_gqa] and [n, n_embd_v_gqa]: what the prefill wrote. For tests and tools."""
         import numpy as np
 
+        if self._info is None:
+            self._info = read_model_info(self.model_path)
         n = len(positions)
         n_embd_gqa = self._info.n_head_kv * self._info.head_dim
         k = np.empty((n, n_embd_gqa), dtype=np.float32)

@@ -130,12 +130,18 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
     return "\n".join(L) + "\n"
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path) -> Path:
+    """Lay out, write atomically as PNG and close a figure; return its path."""
     import io
 
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
     _atomic_write(path, buf.getvalue())
+    return path
 
 
 def _plots(res: EvalResult, out: Path) -> list[Path]:
@@ -160,11 +166,7 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_ylabel("ΔNLL vs exact (nats)")
         ax.set_title(f"{Path(res.model).name}, {n}-token prompts (95 % CI over documents)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out / f"delta_nll_{n}.png"
-        _save(fig, p)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / f"delta_nll_{n}.png"))
 
     # split sweep: ridge at each split, ΔNLL (novel) and speed
     if len(res.splits) > 1:
@@ -188,11 +190,7 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_title(f"{Path(res.model).name}: choosing the split")
         ax.legend(loc="upper left", fontsize=8)
         ax2.legend(loc="upper right", fontsize=8)
-        fig.tight_layout()
-        p = out / "split_sweep.png"
-        _save(fig, p)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / "split_sweep.png"))
 
     # retrieval by depth
     for n, r in sorted(res.retrieval.items(), key=lambda kv: int(kv[0])):
@@ -206,9 +204,5 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_ylabel("accuracy")
         ax.set_title(f"filled-region retrieval, {n}-token prompts")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / f"retrieval_{n}.png"
-        _save(fig, p)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / f"retrieval_{n}.png"))
     return paths

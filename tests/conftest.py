@@ -97,3 +97,34 @@ def unsupported_model(tmp_path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return p
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The oracle's matrices are tiny: one thread is fastest, and torch's worker threads otherwise
+    compete with llama.cpp's (measured: 10x slower on a 2-core machine). Modules that run the
+    oracle use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def evaluation_tokens(model_path, n: int) -> list[int]:
+    """The first ``n`` tokens (BOS first) of four documents of the default corpus's evaluation split,
+    tokenized by llama.cpp with the model's vocabulary (asserting there are that many)."""
+    import ridgefill_cpp  # noqa: F401  (the patched libraries)
+    from llama_cpp import Llama
+
+    from ridgefill_cpp import corpus
+
+    text = "\n".join(d.text for _, d in zip(range(4), corpus.default_documents("evaluation")))
+    llm = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    try:
+        ids = llm.tokenize(text.encode(), add_bos=True)
+    finally:
+        llm.close()
+    assert len(ids) >= n
+    return ids[:n]

@@ -64,14 +64,7 @@ PROMPT = TINY_PROMPT
 N_TOKENS = 100
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The oracle's matrices are tiny: one thread is fastest, and torch's worker threads otherwise
-    compete with llama.cpp's (measured: 10x slower on a 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

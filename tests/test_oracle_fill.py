@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import make_tiny_models as mtm
+from conftest import evaluation_tokens
 
 from ridgefill_cpp import corpus
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -38,12 +39,7 @@ TAIL = 16
 TOL = 1e-10  # float64: max|Δ| / max|ref|
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +50,7 @@ def oracles(tiny_models):
 @pytest.fixture(scope="module")
 def prompt(tiny_models) -> list[int]:
     """N_TOKENS tokens of evaluation text (BOS first), tokenized by llama.cpp (shared vocabulary)."""
-    import ridgefill_cpp  # noqa: F401  (the patched libraries)
-    from llama_cpp import Llama
-
-    text = "\n".join(d.text for _, d in zip(range(4), corpus.default_documents("evaluation")))
-    llm = Llama(model_path=str(tiny_models["llama"]), vocab_only=True, verbose=False)
-    try:
-        ids = llm.tokenize(text.encode(), add_bos=True)
-    finally:
-        llm.close()
-    assert len(ids) >= N_TOKENS
-    return ids[:N_TOKENS]
+    return evaluation_tokens(tiny_models["llama"], N_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import make_tiny_models as mtm
+from conftest import evaluation_tokens
 
 import ridgefill_cpp  # first: llama_cpp then loads the patched libraries
 import llama_cpp  # noqa: E402
@@ -34,12 +35,7 @@ TOL = {"llama": 2e-5, "qwen3": 2e-5, "gemma3": 2e-3}
 F32 = 0  # GGML_TYPE_F32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +45,8 @@ def oracles(tiny_models):
 
 @pytest.fixture(scope="module")
 def prompt(tiny_models) -> list[int]:
-    text = "\n".join(d.text for _, d in zip(range(4), corpus.default_documents("evaluation")))
-    llm = llama_cpp.Llama(model_path=str(tiny_models["llama"]), vocab_only=True, verbose=False)
-    try:
-        ids = llm.tokenize(text.encode(), add_bos=True)
-    finally:
-        llm.close()
-    assert len(ids) >= N_TOKENS
-    return ids[:N_TOKENS]
+    """N_TOKENS tokens of evaluation text (BOS first), tokenized by llama.cpp (shared vocabulary)."""
+    return evaluation_tokens(tiny_models["llama"], N_TOKENS)
 
 
 def _split(arch: str, oracle) -> int:
@@ -538,7 +528,9 @@ def test_splice_keeps_the_exact_k_or_v_of_filled_rows(arch, tiny_models, oracles
     o = oracles[arch]
     S = _split(arch, o)
     opts = EvalOptions(tail=TAIL, n_threads=1, n_batch=64)
-    run = _Runner(tiny_models[arch], 256, opts)
+    from ridgefill_cpp.gguf_model import read_model_info
+
+    run = _Runner(tiny_models[arch], read_model_info(tiny_models[arch]), 256, opts)
     try:
         positions = list(range(N_TOKENS))
         stock, _ = run.prefill(prompt, 1, plan=False)
