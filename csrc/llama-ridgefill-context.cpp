@@ -16,6 +16,8 @@
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
+#include <tuple>
+#include <unordered_map>
 
 //
 // helpers
@@ -180,8 +182,24 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (!std::isfinite(params.exact_fraction) || params.exact_fraction < 0.0 || params.exact_fraction > 1.0) {
         return format("exact_fraction %g outside [0, 1]", params.exact_fraction);
     }
-    if (params.selector != LLAMA_RIDGEFILL_SELECTOR_NONE && params.selector != LLAMA_RIDGEFILL_SELECTOR_ATTENTION) {
+    if (params.selector < LLAMA_RIDGEFILL_SELECTOR_NONE || params.selector > LLAMA_RIDGEFILL_SELECTOR_PROTECTED) {
         return format("unknown selector %d", params.selector);
+    }
+    const int32_t all_classes = LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE | LLAMA_RIDGEFILL_CLASS_LINE_START;
+    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROTECTED &&
+        (params.protected_classes == 0 || (params.protected_classes & ~all_classes) != 0)) {
+        return format("protected selector: token classes 0x%x must be a non-empty set of llama_ridgefill_token_class bits",
+                params.protected_classes);
+    }
+    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && params.split_layer < n_layer) {
+        bool any = false;
+        for (int32_t il = params.split_layer; il < n_layer; ++il) {
+            any = any || rf_is_full_attention(hparams, il);
+        }
+        if (!any) {
+            return format("no full-attention layer at or above split %d for the probe selector: use a shallower split or another selector",
+                    params.split_layer);
+        }
     }
     if (params.n_sel_queries < 1) {
         return format("n_sel_queries %d: the attention selector needs at least one query row", params.n_sel_queries);
@@ -314,6 +332,13 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
         return false;
     }
 
+    // the rows' tokens (protected selector)
+    if (batch.token && n_plan > 0) {
+        for (int32_t i = 0; i < batch.n_tokens; ++i) {
+            plan.tokens[batch.pos[i] - plan.pos0] = batch.token[i];
+        }
+    }
+
     // logits: tail rows brought by the call that ends the prompt get them (DESIGN §4.5), others NaN
     for (int32_t i = 0; i < batch.n_tokens && n_plan > 0; ++i) {
         if (!batch.logits[i]) {
@@ -419,13 +444,23 @@ bool llama_ridgefill_context::reserve() {
             }
         } else {
             // a chunk of exact rows through the last layer, with two fill steps and the value scale
+            // (probe selector: from the last full-attention layer, whose graph also scores)
             const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) cparams.n_ubatch;
             const int32_t n_f = 2*n_chunk;
-            cur.il_begin   = n_layer - 1;
+            int32_t il_res = n_layer - 1;
+            if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE) {
+                while (il_res > S && !rf_is_full_attention(hparams, il_res)) {
+                    il_res--;
+                }
+                cur.sel_layer = il_res;
+                cur.scores    = scores;
+                cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
+            }
+            cur.il_begin   = il_res;
             cur.il_end     = n_layer;
             cur.src        = xx;
             cur.src_rows.assign(n_tokens, 0);
-            cur.fill_layer = n_layer - 1;
+            cur.fill_layer = il_res;
             cur.n_chunk    = n_chunk;
             cur.f_rows.assign(n_f, 0);
             cur.f_pos.assign(n_f, 0);
@@ -476,16 +511,18 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
         return p.exact; // the caller's positions override any selector
     }
 
+    const int32_t k = rf_n_selected(n_prefix, params.exact_fraction);
     std::vector<llama_pos> exact;
     switch (params.selector) {
         case LLAMA_RIDGEFILL_SELECTOR_NONE:
             break;
         case LLAMA_RIDGEFILL_SELECTOR_ATTENTION:
+        case LLAMA_RIDGEFILL_SELECTOR_PROBE:
             {
-                if (sel_layer < 0) {
+                if (params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && sel_layer < 0) {
                     break;
                 }
-                // the scores the early phase accumulated per cell, for the planned rows
+                // the scores accumulated per cell (early phase or probe pass), for the planned rows
                 std::vector<float> sc(ggml_nelements(scores));
                 ggml_backend_tensor_get(scores, sc.data(), 0, ggml_nbytes(scores));
                 last_scores.resize(cells.size());
@@ -493,12 +530,56 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
                     last_scores[j] = sc[cells[j]];
                 }
                 // the top ceil(fraction * prefix) prefix rows; ties go to the earlier row
-                const int32_t k = rf_n_selected(n_prefix, params.exact_fraction);
                 std::vector<int32_t> order(n_prefix);
                 std::iota(order.begin(), order.end(), 0);
                 std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return last_scores[a] > last_scores[b]; });
                 for (int32_t i = 0; i < k; ++i) {
                     exact.push_back(p.pos0 + order[i]);
+                }
+            } break;
+        case LLAMA_RIDGEFILL_SELECTOR_PROTECTED:
+            {
+                // the prefix rows whose token is in a protected class, at most k of them: digits
+                // first, then by how often the token occurs in the prompt (rarest first), then position
+                const llama_vocab & vocab = model.vocab;
+                const int32_t N = (int32_t) p.tokens.size();
+                std::unordered_map<llama_token, int32_t> count;
+                for (llama_token t : p.tokens) {
+                    if (t != LLAMA_TOKEN_NULL) {
+                        count[t]++;
+                    }
+                }
+                struct cand { int32_t rank; int32_t count; int32_t j; };
+                std::vector<cand> cands;
+                for (int32_t j = 0; j < std::min(n_prefix, N); ++j) {
+                    const llama_token t = p.tokens[j];
+                    if (t == LLAMA_TOKEN_NULL || t < 0 || t >= (llama_token) vocab.n_tokens() || vocab.is_control(t)) {
+                        continue;
+                    }
+                    const std::string & piece = vocab.token_to_piece(t);
+                    int32_t cls = 0;
+                    if (std::any_of(piece.begin(), piece.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+                        cls |= LLAMA_RIDGEFILL_CLASS_DIGIT;
+                    }
+                    if (count[t] == 1) {
+                        cls |= LLAMA_RIDGEFILL_CLASS_RARE;
+                    }
+                    if (j > 0 && p.tokens[j - 1] != LLAMA_TOKEN_NULL) {
+                        const std::string & prev = vocab.token_to_piece(p.tokens[j - 1]);
+                        if (!prev.empty() && prev.back() == '\n') {
+                            cls |= LLAMA_RIDGEFILL_CLASS_LINE_START;
+                        }
+                    }
+                    cls &= params.protected_classes;
+                    if (cls) {
+                        cands.push_back({ (cls & LLAMA_RIDGEFILL_CLASS_DIGIT) ? 0 : (cls & LLAMA_RIDGEFILL_CLASS_RARE) ? 1 : 2, count[t], j });
+                    }
+                }
+                std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
+                    return std::tie(a.rank, a.count, a.j) < std::tie(b.rank, b.count, b.j);
+                });
+                for (int32_t i = 0; i < std::min<int32_t>(k, cands.size()); ++i) {
+                    exact.push_back(p.pos0 + cands[i].j);
                 }
             } break;
         default:
@@ -540,6 +621,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
         llama_ridgefill_set_error("llama_decode", msg + "; the prompt's rows are removed");
         lctx.get_memory()->seq_rm(p.seq_id, p.pos0, -1);
         lctx.gf_res_prev_active = nullptr;
+        cur = {};
         return -3;
     };
 
@@ -552,78 +634,52 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
         return fail("a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)");
     }
 
-    // the exact prefix rows (§5)
-    const std::vector<llama_pos> exact = select_exact(p, cells, n_prefix);
-
-    // roles: X = exact rows (selected and tail), in position order; F = filled rows
-    std::vector<char> is_exact(N, 0);
-    for (llama_pos pos : exact) {
-        is_exact[pos - p.pos0] = 1;
-    }
-    std::fill(is_exact.begin() + n_prefix, is_exact.end(), 1);
-
-    std::vector<int32_t> X;
-    X.reserve(exact.size() + T);
-    cur = {};
-    for (int32_t j = 0; j < N; ++j) {
-        if (is_exact[j]) {
-            X.push_back(j);
-        } else {
-            cur.f_rows.push_back(j);
-            cur.f_pos.push_back(p.pos0 + j);
-            cur.f_cells.push_back(cells[j]);
-            if (caches.swa) {
-                cur.f_cells_swa.push_back(cells_swa[j]);
-            }
-        }
-    }
-    const int32_t n_x = X.size();
-    const int32_t n_f = cur.f_rows.size();
-
-    if (caches.base->get_v_trans()) {
-        const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
-        auto fill_vidx = [&](const llama_kv_cache * kv, const std::vector<int64_t> & c, std::vector<int64_t> & out) {
-            const int64_t kv_size = kv->get_size();
-            out.resize(c.size()*n_embd_v);
-            for (size_t i = 0; i < c.size(); ++i) {
-                for (int64_t e = 0; e < n_embd_v; ++e) {
-                    out[i*n_embd_v + e] = e*kv_size + c[i];
-                }
-            }
-        };
-        fill_vidx(caches.base, cur.f_cells, cur.f_vidx);
-        if (caches.swa) {
-            fill_vidx(caches.swa, cur.f_cells_swa, cur.f_vidx_swa);
-        }
-    }
-
     const uint32_t n_ubatch  = lctx.get_cparams().n_ubatch;
     const uint32_t max_nodes = lctx.graph_max_nodes(n_ubatch);
 
-    // filled rows per fill step: n_ubatch (or the caller's), in at most a node budget's worth of steps
-    {
+    // the graph fields of a pass that fills the rows not marked exact, and the exact rows X, in
+    // position order (the tail last)
+    auto set_roles = [&](const std::vector<char> & is_exact, std::vector<int32_t> & X) {
+        cur = {};
+        X.clear();
+        for (int32_t j = 0; j < N; ++j) {
+            if (is_exact[j]) {
+                X.push_back(j);
+            } else {
+                cur.f_rows.push_back(j);
+                cur.f_pos.push_back(p.pos0 + j);
+                cur.f_cells.push_back(cells[j]);
+                if (caches.swa) {
+                    cur.f_cells_swa.push_back(cells_swa[j]);
+                }
+            }
+        }
+        const int32_t n_f = cur.f_rows.size();
+        if (caches.base->get_v_trans()) {
+            const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
+            auto fill_vidx = [&](const llama_kv_cache * kv, const std::vector<int64_t> & c, std::vector<int64_t> & out) {
+                const int64_t kv_size = kv->get_size();
+                out.resize(c.size()*n_embd_v);
+                for (size_t i = 0; i < c.size(); ++i) {
+                    for (int64_t e = 0; e < n_embd_v; ++e) {
+                        out[i*n_embd_v + e] = e*kv_size + c[i];
+                    }
+                }
+            };
+            fill_vidx(caches.base, cur.f_cells, cur.f_vidx);
+            if (caches.swa) {
+                fill_vidx(caches.swa, cur.f_cells_swa, cur.f_vidx_swa);
+            }
+        }
+        // filled rows per fill step: n_ubatch (or the caller's), in at most a node budget's worth of steps
         const int32_t max_steps = std::max<int32_t>(1, ((int32_t) max_nodes/2 - 256)/40);
         int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
         n_chunk = std::max(n_chunk, (n_f + max_steps - 1)/max_steps);
         cur.n_chunk = std::max(1, n_chunk);
-    }
+    };
 
     const int32_t n_scale_rows = std::min(params.n_rescale, T);
     const int32_t n_key_rows   = std::min(params.n_key_rescale, T);
-
-    cur.model  = &model;
-    cur.maps   = maps;
-    cur.split  = S;
-    cur.xs     = xs;
-    cur.xx     = xx;
-    cur.dst    = xx;
-    cur.splice = params.splice;
-    for (int32_t i = 0; i < n_scale_rows; ++i) {
-        cur.r_rows.push_back(n_prefix + i);
-    }
-    for (int32_t i = 0; i < n_key_rows; ++i) {
-        cur.rk_rows.push_back(n_prefix + i);
-    }
 
     if (!res_late) {
         res_late.reset(new llm_graph_result(max_nodes));
@@ -639,13 +695,116 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     last_v_scales.assign((size_t) (n_layer - S)*n_head_kv_max, 1.0f);
     last_k_scales.assign(n_key_rows > 0 ? (size_t) (n_layer - S)*n_head_kv_max : 0, 1.0f);
 
+    std::vector<char>    is_exact(N, 0);
+    std::vector<int32_t> X;
+    std::fill(is_exact.begin() + n_prefix, is_exact.end(), 1);
+
+    std::vector<llama_pos> exact;
+    int32_t n_probe = 0;
+    std::string err;
+
+    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && !p.exact_set) {
+        // probe pass (DESIGN §5): every prefix row filled (with the value and key scales of this
+        // pass), the tail runs the late layers against the filled cache and its last rows score the
+        // prefix at every full-attention late layer; the selected rows then run the late layers
+        // exactly, with the tail again (it attends to them), over the cells the probe filled
+        set_roles(is_exact, X);
+        ggml_backend_tensor_memset(scores, 0, 0, ggml_nbytes(scores));
+        err = run_late(lctx, p, X, cells, cells_swa, /*fill =*/ true, std::min(params.n_sel_queries, T), /*logits =*/ true);
+        if (!err.empty()) {
+            return fail(err);
+        }
+        exact = select_exact(p, cells, n_prefix);
+        if (!exact.empty()) {
+            for (llama_pos pos : exact) {
+                is_exact[pos - p.pos0] = 1;
+            }
+            set_roles(is_exact, X);
+            n_probe = T;
+            err = run_late(lctx, p, X, cells, cells_swa, /*fill =*/ false, 0, /*logits =*/ true);
+        }
+    } else {
+        exact = select_exact(p, cells, n_prefix);
+        for (llama_pos pos : exact) {
+            is_exact[pos - p.pos0] = 1;
+        }
+        set_roles(is_exact, X);
+        err = run_late(lctx, p, X, cells, cells_swa, /*fill =*/ true, 0, /*logits =*/ true);
+    }
+    if (!err.empty()) {
+        return fail(err);
+    }
+    const int32_t n_x = X.size();
+    const int32_t n_f = N - n_x;
+
+    // the scheduler now holds the late-phase graph: the next decode builds its own
+    lctx.gf_res_prev_active = nullptr;
+    cur = {};
+
+    last_exact = exact;
+
+    const double r = double(S)/n_layer + (1.0 - double(S)/n_layer)*double(n_x + n_probe)/N;
+    stats = {};
+    stats.active       = 1;
+    stats.seq_id       = p.seq_id;
+    stats.pos0         = p.pos0;
+    stats.n_prompt     = N;
+    stats.n_layer      = n_layer;
+    stats.split_layer  = S;
+    stats.n_tail       = T;
+    stats.n_exact      = (int32_t) exact.size();
+    stats.n_filled     = n_f;
+    stats.sel_layer    = p.exact_set ? -1 : params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE ? S : sel_layer;
+    stats.n_scale_rows = n_scale_rows;
+    stats.ceiling      = (float) (1.0/r);
+    stats.n_probe      = n_probe;
+    stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
+
+    return 0;
+}
+
+std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_ridgefill_plan & p, const std::vector<int32_t> & X,
+        const std::vector<int64_t> & cells, const std::vector<int64_t> & cells_swa, bool fill, int32_t n_query, bool logits) {
+    const llama_hparams & hparams = model.hparams;
+    const rf_caches caches = rf_get_caches(lctx.get_memory());
+
+    const int32_t S        = params.split_layer;
+    const int32_t N        = p.pos_end - p.pos0;
+    const int32_t T        = std::min(params.n_tail, N);
+    const int32_t n_prefix = N - T;
+    const int32_t n_x      = X.size();
+    GGML_ASSERT(n_x >= T && X[n_x - T] == n_prefix);
+
+    const uint32_t n_ubatch = lctx.get_cparams().n_ubatch;
+    const int32_t n_scale_rows = fill ? std::min(params.n_rescale, T) : 0;
+    const int32_t n_key_rows   = fill ? std::min(params.n_key_rescale, T) : 0;
+    const size_t  n_head_kv_max = last_v_scales.size()/(n_layer - S);
+
+    cur.model  = &model;
+    cur.maps   = maps;
+    cur.split  = S;
+    cur.xs     = xs;
+    cur.xx     = xx;
+    cur.dst    = xx;
+    cur.splice = params.splice;
+    cur.r_rows.clear();
+    cur.rk_rows.clear();
+    for (int32_t i = 0; i < n_scale_rows; ++i) {
+        cur.r_rows.push_back(n_prefix + i);
+    }
+    for (int32_t i = 0; i < n_key_rows; ++i) {
+        cur.rk_rows.push_back(n_prefix + i);
+    }
+
     const uint32_t n_outputs_saved = lctx.n_outputs;
     ggml_backend_sched_t sched = lctx.sched.get();
+    std::string err;
 
     // the late layers, layer-major; within a layer the exact rows in chunks of n_ubatch, in position
     // order (a chunk attends to the rows of the chunks before it, already written)
-    for (int32_t il = S; il < n_layer; ++il) {
+    for (int32_t il = S; il < n_layer && err.empty(); ++il) {
         const bool last_layer = il == n_layer - 1;
+        const bool probe      = n_query > 0 && rf_is_full_attention(hparams, il);
 
         for (int32_t c0 = 0; c0 < n_x; c0 += n_ubatch) {
             const int32_t nc = std::min<int32_t>(n_ubatch, n_x - c0);
@@ -665,7 +824,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             std::vector<int32_t> out_idx; // batch index per output row, -1: discarded
             llama_ubatch ub = rf_make_ubatch(p.seq_id, pos, false);
             if (last_layer) {
-                for (int32_t i = 0; i < nc; ++i) {
+                for (int32_t i = 0; i < nc && logits; ++i) {
                     for (const auto & [op, bi] : p.out_rows) {
                         if (op == pos[i]) {
                             ub.output[i] = 1;
@@ -691,8 +850,8 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
                         std::vector<llama_ubatch> { ub });
             }
             if (!mctx->apply()) {
-                lctx.n_outputs = n_outputs_saved;
-                return fail("failed to address the KV cells of the exact rows");
+                err = "failed to address the KV cells of the exact rows";
+                break;
             }
 
             cur.il_begin = il;
@@ -704,7 +863,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
                 cur.src_rows[i] = il == S ? X[c0 + i] : c0 + i;
                 cur.dst_rows[i] = c0 + i;
             }
-            cur.fill_layer = c0 == 0 ? il : -1;
+            cur.fill_layer = fill && c0 == 0 ? il : -1;
             cur.r_src      = il == S ? xs : xx;
             cur.r_src_rows.clear();
             for (int32_t i = 0; i < n_scale_rows; ++i) {
@@ -714,6 +873,17 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             for (int32_t i = 0; i < n_key_rows; ++i) {
                 cur.rk_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
             }
+            // the probe's query rows: the last n_query rows of X
+            cur.sel_ids.clear();
+            if (probe) {
+                for (int32_t i = 0; i < nc; ++i) {
+                    if (c0 + i >= n_x - n_query) {
+                        cur.sel_ids.push_back(i);
+                    }
+                }
+            }
+            cur.sel_layer = cur.sel_ids.empty() ? -1 : il;
+            cur.scores    = cur.sel_ids.empty() ? nullptr : scores;
             cur.inp     = nullptr;
             cur.v_scale = nullptr;
             cur.k_scale = nullptr;
@@ -731,13 +901,13 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             graph_active = false;
 
             if (!gf || !ggml_backend_sched_alloc_graph(sched, gf)) {
-                lctx.n_outputs = n_outputs_saved;
-                return fail(format("failed to build or allocate the late-phase graph of layer %d", il));
+                err = format("failed to build or allocate the late-phase graph of layer %d", il);
+                break;
             }
             res->set_inputs(&ub);
             if (lctx.graph_compute(gf, true) != GGML_STATUS_SUCCESS) {
-                lctx.n_outputs = n_outputs_saved;
-                return fail(format("failed to compute the late-phase graph of layer %d", il));
+                err = format("failed to compute the late-phase graph of layer %d", il);
+                break;
             }
             ggml_backend_sched_synchronize(sched);
 
@@ -757,7 +927,8 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
                     }
                     float * dst = lctx.get_logits_ith(out_idx[k]);
                     if (dst == nullptr) {
-                        return fail("no logits row for a tail row that asked for logits");
+                        err = "no logits row for a tail row that asked for logits";
+                        break;
                     }
                     ggml_backend_tensor_get(t_logits, dst, k*t_logits->nb[1], t_logits->nb[1]);
                 }
@@ -766,29 +937,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     }
 
     lctx.n_outputs = n_outputs_saved;
-    // the scheduler now holds the late-phase graph: the next decode builds its own
-    lctx.gf_res_prev_active = nullptr;
-    cur = {};
-
-    last_exact = exact;
-
-    const double r = double(S)/n_layer + (1.0 - double(S)/n_layer)*double(n_x)/N;
-    stats = {};
-    stats.active       = 1;
-    stats.seq_id       = p.seq_id;
-    stats.pos0         = p.pos0;
-    stats.n_prompt     = N;
-    stats.n_layer      = n_layer;
-    stats.split_layer  = S;
-    stats.n_tail       = T;
-    stats.n_exact      = (int32_t) exact.size();
-    stats.n_filled     = n_f;
-    stats.sel_layer    = p.exact_set ? -1 : sel_layer;
-    stats.n_scale_rows = n_scale_rows;
-    stats.ceiling      = (float) (1.0/r);
-    stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
-
-    return 0;
+    return err;
 }
 
 //
@@ -826,6 +975,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.n_fill_chunk   =*/ 0,
         /*.splice         =*/ LLAMA_RIDGEFILL_SPLICE_NONE,
         /*.n_key_rescale  =*/ 0,
+        /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE,
     };
     return p;
 }
@@ -899,6 +1049,7 @@ int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, l
     plan.seq_id  = seq_id;
     plan.pos0    = pos0;
     plan.pos_end = pos_end;
+    plan.tokens.assign(N, LLAMA_TOKEN_NULL);
     if (rf->sel_layer >= 0) {
         ggml_backend_tensor_memset(rf->scores, 0, 0, ggml_nbytes(rf->scores));
     }

@@ -27,6 +27,8 @@ struct llama_ridgefill_plan {
     bool                   exact_set = false; // exact prefix rows given by the caller
     std::vector<llama_pos> exact;
 
+    std::vector<llama_token> tokens; // token of each planned row (LLAMA_TOKEN_NULL: embeddings input)
+
     // rows of the last decode call that asked for logits: tail rows get them from the late phase,
     // (position, batch index); any other planned row gets NaN (its logits are never computed)
     std::vector<std::pair<llama_pos, int32_t>> out_rows;
@@ -63,9 +65,18 @@ struct llama_ridgefill_context {
     // the late phase
     int finish(llama_context & lctx);
 
+    // one pass over the late layers, layer-major: the exact rows X (rows of plan p, ascending, the
+    // tail last) run every late layer in chunks of n_ubatch. fill: the first chunk's graph of each
+    // layer writes the filled rows (cur.f_*) with the value and key scales; n_query > 0: the last
+    // n_query rows of X add their attention at each full-attention late layer to `scores` (the probe
+    // pass); logits: the tail rows that asked for logits get them. "" on success, else what failed
+    std::string run_late(llama_context & lctx, const llama_ridgefill_plan & p, const std::vector<int32_t> & X,
+            const std::vector<int64_t> & cells, const std::vector<int64_t> & cells_swa, bool fill, int32_t n_query, bool logits);
+
     // the selector seam (DESIGN §5): the exact prefix rows of a plan whose rows are all decoded,
-    // ascending; cells: the cell of each planned row in the full-attention cache. A selector that
-    // scores rows during the early phase does so in llama_ridgefill_build_attn (sel_layer)
+    // ascending; cells: the cell of each planned row in the full-attention cache. The attention
+    // selector's scores accumulate in the early phase (llama_ridgefill_build_attn at sel_layer), the
+    // probe's in the probe pass of finish(); the protected selector reads the rows' tokens
     std::vector<llama_pos> select_exact(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells, int32_t n_prefix);
 
     // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the

@@ -267,6 +267,7 @@ static void rf_build_selector(
 static ggml_tensor * rf_build_head_scale(
         const llm_graph_context & g,
                             int   il,
+                    ggml_tensor * a,
      const std::vector<int32_t> & src_rows,
      const std::vector<int32_t> & rows,
                            bool   key) {
@@ -279,7 +280,7 @@ static ggml_tensor * rf_build_head_scale(
     ggml_tensor * t_rows = inp->add(ctx0, GGML_TYPE_I32, rows.size(),     rows.data(),     format("ridgefill_%s_scale_rows", what).c_str());
 
     ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, t_src);
-    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, t_rows));
+    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, t_rows), a);
 
     ggml_tensor * pe = nullptr;
     ggml_tensor * pp = nullptr;
@@ -308,18 +309,21 @@ static void rf_build_fill(
 
     const int64_t n_head_kv = hparams.n_head_kv(il);
 
+    // the layer's map, read by every step below: host-placed maps are uploaded once per layer
+    ggml_tensor * a = llama_ridgefill_stage_a(ctx0, rf->maps, il);
+
     // (a) s_{l,h} = mean ||V(x_l)|| / mean ||V(x̂_l)|| over the value-scale rows, both through the
     //     layer's own V path (the one the cache stores, before any rotation: it keeps norms)
     ggml_tensor * scale = nullptr;
     if (!rf->r_rows.empty()) {
-        rf->v_scale = rf_build_head_scale(g, il, rf->r_src_rows, rf->r_rows, /*key =*/ false);
+        rf->v_scale = rf_build_head_scale(g, il, a, rf->r_src_rows, rf->r_rows, /*key =*/ false);
         scale = ggml_reshape_3d(ctx0, rf->v_scale, 1, n_head_kv, 1);
     }
 
     // (a') the key scale (issue #8), the same measurement on K (after k-norm; RoPE keeps norms)
     ggml_tensor * kscale = nullptr;
     if (!rf->rk_rows.empty()) {
-        rf->k_scale = rf_build_head_scale(g, il, rf->rk_src_rows, rf->rk_rows, /*key =*/ true);
+        rf->k_scale = rf_build_head_scale(g, il, a, rf->rk_src_rows, rf->rk_rows, /*key =*/ true);
         kscale = ggml_reshape_3d(ctx0, rf->k_scale, 1, n_head_kv, 1);
     }
 
@@ -357,7 +361,7 @@ static void rf_build_fill(
         ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc, i0*ggml_element_size(inp->f_pos));
         ggml_tensor * kidx = ggml_view_1d(ctx0, cells,       nc, i0*ggml_element_size(cells));
 
-        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, rows));
+        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, rows), a);
 
         ggml_tensor * k = nullptr;
         ggml_tensor * v = nullptr;
@@ -404,10 +408,11 @@ void llama_ridgefill_build_attn(
     if (rf == nullptr) {
         return;
     }
-    if (il == rf->sel_layer && !rf->sel_ids.empty()) {
-        rf_build_selector(g, mctx, kq_mask, q_cur, kq_scale, il);
-    }
+    // the fill first: a probe pass scores the query rows' attention against the filled cells
     if (il == rf->fill_layer) {
         rf_build_fill(g, mctx, k_rot, v_rot, il);
+    }
+    if (il == rf->sel_layer && !rf->sel_ids.empty()) {
+        rf_build_selector(g, mctx, kq_mask, q_cur, kq_scale, il);
     }
 }

@@ -49,7 +49,8 @@ struct llama_ridgefill_graph {
     std::vector<int32_t> src_rows; // [n_tokens]
     std::vector<int32_t> dst_rows; // [n_tokens]
 
-    // attention selector (early phase): the query rows' attention at sel_layer is added to scores
+    // attention selector (early phase) and probe pass (late phase): the query rows' attention at
+    // sel_layer is added to scores
     int32_t       sel_layer = -1;   // -1: none in this graph
     ggml_tensor * scores = nullptr; // [n_cells] F32, persistent: selector score per cell
     std::vector<int32_t> sel_ids;   // ubatch rows among the selector's query rows
@@ -99,10 +100,10 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g);
 bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor * inpL);
 
 // called by build_attn after the ubatch's own K/V are stored, before attention reads the cache:
-//   il == sel_layer:  add the selector query rows' attention probabilities (summed over heads and
-//                     rows) to `scores`
 //   il == fill_layer: the value scale s_{l,h} from the value-scale rows, then the filled rows' K/V
 //                     written to their cells
+//   il == sel_layer:  add the selector query rows' attention probabilities (summed over heads and
+//                     rows) to `scores` (after the fill: the probe pass scores the filled cache)
 // q_cur: [n_embd_head, n_head, n_tokens] as build_attn uses it (after rotation)
 void llama_ridgefill_build_attn(
         const llm_graph_context & g,

@@ -42,7 +42,8 @@ size_t llama_ridgefill_maps::n_bytes() const {
     return n;
 }
 
-ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs) {
+ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs,
+        ggml_tensor * a) {
     if (maps == nullptr || il <= maps->split_layer || maps->a[il] == nullptr) {
         return xs; // identity fill (and l = S, where x_S is the layer's exact input)
     }
@@ -50,9 +51,23 @@ ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgef
     if (maps->normalized) {
         x = ggml_rms_norm(ctx0, x, maps->norm_eps);
     }
-    x = ggml_mul_mat(ctx0, maps->a[il], x);
+    x = ggml_mul_mat(ctx0, a ? a : maps->a[il], x);
     x = ggml_add(ctx0, x, maps->b[il]);
     return x;
+}
+
+ggml_tensor * llama_ridgefill_stage_a(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il) {
+    if (maps == nullptr || il <= maps->split_layer || maps->a[il] == nullptr) {
+        return nullptr;
+    }
+    ggml_tensor * a = maps->a[il];
+    ggml_backend_dev_t dev = maps->model.dev_layer(il);
+    if (!maps->host || dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return a;
+    }
+    ggml_tensor * staged = ggml_cont(ctx0, a);
+    ggml_format_name(staged, "ridgefill_a_staged-%d", il);
+    return staged;
 }
 
 static const char * RIDGEFILL_ADAPTER_TYPE = "ridgefill";
@@ -255,6 +270,7 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
         }
         // weights usage: the scheduler's op offload then streams host-resident maps to the accelerator
         ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        maps.buft_names += std::string(maps.buft_names.empty() ? "" : ",") + ggml_backend_buft_name(it.first);
         maps.bufs.emplace_back(std::move(buf));
     }
     maps.host = params.host;
@@ -278,8 +294,9 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
         ggml_backend_tensor_set(dst, data.data(), 0, size);
     }
 
-    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s) from %s, %.2f MiB\n", __func__,
-            maps.split_layer + 1, n_layer - 1, maps.split_layer, maps.objective.c_str(), path, maps.n_bytes() / 1024.0 / 1024.0);
+    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s) from %s, %.2f MiB in %s (%s)\n", __func__,
+            maps.split_layer + 1, n_layer - 1, maps.split_layer, maps.objective.c_str(), path, maps.n_bytes() / 1024.0 / 1024.0,
+            maps.buft_names.c_str(), maps.host ? "host placement" : "resident");
 }
 
 struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void) {
@@ -320,6 +337,14 @@ const char * llama_ridgefill_maps_fingerprint(const struct llama_ridgefill_maps 
 
 uint64_t llama_ridgefill_maps_n_bytes(const struct llama_ridgefill_maps * maps) {
     return maps->n_bytes();
+}
+
+const char * llama_ridgefill_maps_buffer_types(const struct llama_ridgefill_maps * maps) {
+    return maps->buft_names.c_str();
+}
+
+bool llama_ridgefill_maps_host(const struct llama_ridgefill_maps * maps) {
+    return maps->host;
 }
 
 int32_t llama_ridgefill_maps_predict(const struct llama_ridgefill_maps * maps, int32_t il, const float * xs, int32_t n_rows, float * out) {

@@ -24,6 +24,7 @@ struct llama_ridgefill_maps {
 
     std::string objective;
     std::string fingerprint;     // of the model the maps were fitted on (checked by the caller)
+    std::string buft_names;      // the buffer types holding the maps, comma-separated
 
     std::vector<ggml_tensor *> a; // [n_layer], [n_embd(in), n_embd(out)] F16/F32; nullptr for il <= S
     std::vector<ggml_tensor *> b; // [n_layer], [n_embd] F32
@@ -38,7 +39,15 @@ struct llama_ridgefill_maps {
 
 // x_hat = A_il * phi(xs) + b_il for the rows of xs [n_embd, n_rows] (F32); identity fill when maps is
 // nullptr or il has no map (il == S). Built from ggml ops only, so it runs on every backend.
-ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs);
+// a: A_il as the graph should read it (llama_ridgefill_stage_a), or nullptr for maps->a[il]
+ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs,
+        ggml_tensor * a = nullptr);
+
+// A_il for a graph that multiplies it several times (fill steps): host-placed maps of a layer that
+// runs on an accelerator are copied to it once (a CONT node, which the scheduler's op offload runs
+// there), so every step reads the device copy instead of uploading the map again; maps->a[il]
+// otherwise (resident maps, or a CPU layer). nullptr when il has no map.
+ggml_tensor * llama_ridgefill_stage_a(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il);
 
 // record the message of a failed call for llama_ridgefill_last_error() and log it
 void llama_ridgefill_set_error(const char * func, const std::string & msg);

@@ -54,6 +54,13 @@ extern "C" {
     LLAMA_API const char * llama_ridgefill_maps_fingerprint(const struct llama_ridgefill_maps * maps);
     LLAMA_API uint64_t    llama_ridgefill_maps_n_bytes    (const struct llama_ridgefill_maps * maps);
 
+    // where the maps live: the buffer type names of their buffers, comma-separated (e.g. "CPU",
+    // "CUDA0", "CUDA_Host"); static storage per maps object, valid while it lives
+    LLAMA_API const char * llama_ridgefill_maps_buffer_types(const struct llama_ridgefill_maps * maps);
+
+    // whether the maps were loaded for host placement (llama_ridgefill_maps_params.host)
+    LLAMA_API bool        llama_ridgefill_maps_host       (const struct llama_ridgefill_maps * maps);
+
     // the predicted input of layer il for n_rows split-layer states xs ([n_rows][n_embd], row-major):
     // x_hat = A_il phi(xs) + b_il, or xs itself for il == S; computed on the CPU backend with the same
     // graph step the fill uses. For tests and tools. Returns 0, or -1 (see llama_ridgefill_last_error)
@@ -71,6 +78,17 @@ extern "C" {
     enum llama_ridgefill_selector {
         LLAMA_RIDGEFILL_SELECTOR_NONE      = 0, // no exact prefix rows
         LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1, // the rows the last prompt rows attend to most, below S
+        LLAMA_RIDGEFILL_SELECTOR_PROBE     = 2, // the same score at the late layers: the tail runs the late
+                                                //   layers against the filled cache first (a probe pass)
+        LLAMA_RIDGEFILL_SELECTOR_PROTECTED = 3, // rows of a token class (protected_classes), no attention
+    };
+
+    // token classes of the protected selector (a bit mask); a row is protected when its token is in
+    // any of the classes. Rows of a prompt given as embeddings have no token and are never protected.
+    enum llama_ridgefill_token_class {
+        LLAMA_RIDGEFILL_CLASS_DIGIT      = 1, // the token's text has a decimal digit
+        LLAMA_RIDGEFILL_CLASS_RARE       = 2, // the token occurs once in the prompt
+        LLAMA_RIDGEFILL_CLASS_LINE_START = 4, // the token follows a newline
     };
 
     // diagnostics (the splice test of DESIGN §9): filled rows keep the K and/or V already in their
@@ -98,6 +116,8 @@ extern "C" {
         int32_t splice;         // enum llama_ridgefill_splice (diagnostics; NONE in normal use)
         int32_t n_key_rescale;  // c_K: tail rows a per-head key scale is measured on, applied to the
                                 //   filled K like the value scale to V (0: off, the default)
+        int32_t protected_classes; // protected selector: enum llama_ridgefill_token_class bits; at most
+                                   //   ceil(exact_fraction * prefix) rows, digits first, then rarer tokens
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);
@@ -139,9 +159,11 @@ extern "C" {
         int32_t   n_tail;        // min(T, N)
         int32_t   n_exact;       // selected exact prefix rows |E|
         int32_t   n_filled;      // N - T - |E|
-        int32_t   sel_layer;     // layer the attention selector scored at, -1: none
+        int32_t   sel_layer;     // layer the attention selector scored at, -1: none (probe: every
+                                 //   full-attention late layer; reported as the split)
         int32_t   n_scale_rows;  // min(c, T)
-        float     ceiling;       // 1/r, r = S/L + (1 - S/L)(T + |E|)/N
+        float     ceiling;       // 1/r, r = S/L + (1 - S/L)(T + |E| + probe rows)/N
+        int32_t   n_probe;       // rows of the probe pass (selector probe: T), 0 otherwise
         double    t_late_ms;     // the late phase (selection, fill, exact rows)
     };
 

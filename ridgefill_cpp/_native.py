@@ -154,6 +154,16 @@ def llama_ridgefill_maps_fingerprint(maps, /) -> bytes: ...
 def llama_ridgefill_maps_n_bytes(maps, /) -> int: ...
 
 
+# LLAMA_API const char * llama_ridgefill_maps_buffer_types(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_buffer_types", [llama_ridgefill_maps_p], ctypes.c_char_p)
+def llama_ridgefill_maps_buffer_types(maps, /) -> bytes: ...
+
+
+# LLAMA_API bool llama_ridgefill_maps_host(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_host", [llama_ridgefill_maps_p], ctypes.c_bool)
+def llama_ridgefill_maps_host(maps, /) -> bool: ...
+
+
 # LLAMA_API int32_t llama_ridgefill_maps_predict(const struct llama_ridgefill_maps * maps, int32_t il,
 #                                                const float * xs, int32_t n_rows, float * out);
 @ctypes_function("llama_ridgefill_maps_predict",
@@ -170,6 +180,13 @@ def llama_ridgefill_last_error() -> bytes: ...
 # enum llama_ridgefill_selector
 LLAMA_RIDGEFILL_SELECTOR_NONE = 0
 LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1
+LLAMA_RIDGEFILL_SELECTOR_PROBE = 2
+LLAMA_RIDGEFILL_SELECTOR_PROTECTED = 3
+
+# enum llama_ridgefill_token_class (protected selector, a bit mask)
+LLAMA_RIDGEFILL_CLASS_DIGIT = 1
+LLAMA_RIDGEFILL_CLASS_RARE = 2
+LLAMA_RIDGEFILL_CLASS_LINE_START = 4
 
 # enum llama_ridgefill_splice (diagnostics: the splice test)
 LLAMA_RIDGEFILL_SPLICE_NONE = 0
@@ -192,6 +209,7 @@ class llama_ridgefill_params(ctypes.Structure):
         ("n_fill_chunk", ctypes.c_int32),
         ("splice", ctypes.c_int32),
         ("n_key_rescale", ctypes.c_int32),
+        ("protected_classes", ctypes.c_int32),
     ]
 
 
@@ -210,6 +228,7 @@ class llama_ridgefill_stats(ctypes.Structure):
         ("sel_layer", ctypes.c_int32),
         ("n_scale_rows", ctypes.c_int32),
         ("ceiling", ctypes.c_float),
+        ("n_probe", ctypes.c_int32),
         ("t_late_ms", ctypes.c_double),
     ]
 

@@ -58,6 +58,17 @@ class NativeMaps:
     def n_bytes(self) -> int:
         return N.llama_ridgefill_maps_n_bytes(self.handle)
 
+    @property
+    def placement(self) -> str:
+        """``"host"`` (pinned host memory, streamed to the accelerator per layer) or ``"resident"``."""
+        return "host" if N.llama_ridgefill_maps_host(self.handle) else "resident"
+
+    @property
+    def buffer_types(self) -> list[str]:
+        """The ggml buffer types holding the maps (e.g. ``["CPU"]``, ``["CUDA0"]``, ``["CUDA_Host"]``)."""
+        names = N.llama_ridgefill_maps_buffer_types(self.handle).decode()
+        return [n for n in names.split(",") if n]
+
     def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
         """x̂_il for split-layer states ``xs`` [n, n_embd], computed by libllama's fill step."""
         xs = np.ascontiguousarray(xs, dtype=np.float32)

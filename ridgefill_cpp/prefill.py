@@ -28,7 +28,37 @@ from .gguf_model import read_model_info
 from .native_maps import NativeMaps
 
 #: selectors by name (DESIGN §5); a sequence of positions is the explicit selector
-SELECTORS = {"attention": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION, "none": N.LLAMA_RIDGEFILL_SELECTOR_NONE}
+SELECTORS = {
+    "attention": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION,
+    "probe": N.LLAMA_RIDGEFILL_SELECTOR_PROBE,
+    "protected": N.LLAMA_RIDGEFILL_SELECTOR_PROTECTED,
+    "none": N.LLAMA_RIDGEFILL_SELECTOR_NONE,
+}
+
+#: token classes of the ``protected`` selector
+TOKEN_CLASSES = {
+    "digits": N.LLAMA_RIDGEFILL_CLASS_DIGIT,
+    "rare": N.LLAMA_RIDGEFILL_CLASS_RARE,
+    "line_start": N.LLAMA_RIDGEFILL_CLASS_LINE_START,
+}
+
+#: the default protected classes (chosen from the eval: see README, "Selectors")
+DEFAULT_PROTECTED = ("digits", "rare")
+
+PLACEMENTS = ("resident", "host")
+
+
+def protected_mask(classes: str | Sequence[str]) -> int:
+    """The C bit mask of token class names (``"digits,rare"`` or ``("digits", "rare")``)."""
+    names = [c.strip() for c in classes.split(",")] if isinstance(classes, str) else [str(c) for c in classes]
+    names = [c for c in names if c]
+    bad = [c for c in names if c not in TOKEN_CLASSES]
+    if bad or not names:
+        raise ValueError(f"protected token classes {classes!r}: use one or more of {', '.join(TOKEN_CLASSES)}")
+    mask = 0
+    for c in names:
+        mask |= TOKEN_CLASSES[c]
+    return mask
 
 
 @dataclass(frozen=True)
@@ -39,12 +69,17 @@ class RidgeFill:
     needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
     exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``selector``:
     ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
-    full-attention layer below S), ``"none"``, or a list of absolute positions that stay exact.
+    full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
+    runs them against the filled cache; costs T more rows), ``"protected"`` (rows whose token is in
+    ``protected``: ``"digits"``, ``"rare"`` = once in the prompt, ``"line_start"``; no attention
+    pass), ``"none"``, or a list of absolute positions that stay exact.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
     ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the
     attention selector's layer (default: the last full-attention layer below S).
-    ``fill_chunk``: filled rows per fill step (0: ``n_ubatch``).
+    ``fill_chunk``: filled rows per fill step (0: ``n_ubatch``). ``placement``: where the maps
+    live, ``"resident"`` (with their layer's weights) or ``"host"`` (pinned host memory, streamed to
+    the accelerator once per layer: saves VRAM; the same on CPU).
     """
 
     maps: str | os.PathLike | None = None
@@ -58,6 +93,8 @@ class RidgeFill:
     n_queries: int = 64
     selector_layer: int | None = None
     fill_chunk: int = 0
+    protected: str | Sequence[str] = DEFAULT_PROTECTED
+    placement: str = "resident"
     positions: tuple[int, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self):
@@ -91,6 +128,11 @@ class RidgeFill:
             raise ValueError(f"n_queries {self.n_queries} must be >= 1")
         if self.fill_chunk < 0:
             raise ValueError(f"fill_chunk {self.fill_chunk} must be >= 0")
+        protected_mask(self.protected)
+        if not isinstance(self.protected, str):
+            object.__setattr__(self, "protected", tuple(self.protected))
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
 
     @classmethod
     def identity(cls, split: int, **kwargs: Any) -> "RidgeFill":
@@ -110,6 +152,7 @@ class RidgeFill:
         p.n_key_rescale = int(self.key_rescale)
         p.min_prompt = int(self.min_prompt)
         p.n_fill_chunk = int(self.fill_chunk)
+        p.protected_classes = protected_mask(self.protected)
         return p
 
 
@@ -149,7 +192,8 @@ class Llama(llama_cpp.Llama):
         super().__init__(model_path, *args, **kwargs)
         try:
             if rf.maps is not None:
-                self._rf_maps = NativeMaps(self._model.model, rf.maps, split=rf.split, model_path=model_path)
+                self._rf_maps = NativeMaps(self._model.model, rf.maps, split=rf.split, host=rf.placement == "host",
+                                           model_path=model_path)
             rc = N.llama_ridgefill_attach(self._ctx.ctx, self._rf_maps.handle if self._rf_maps else None, rf.params())
             if rc != 0:
                 raise ValueError(f"RidgeFill: {_last_error()}")
@@ -229,10 +273,20 @@ class Llama(llama_cpp.Llama):
             "exact_positions": list(exact[:n]),
             "selector_layer": s.sel_layer,
             "value_scale_rows": s.n_scale_rows,
+            "probe_rows": s.n_probe,
             "ceiling": float(s.ceiling),
             "late_ms": float(s.t_late_ms),
             "prefill_ms": prefill_ms,
+            **self.ridgefill_memory(),
         }
+
+    def ridgefill_memory(self) -> dict[str, Any]:
+        """Where the maps live: ``maps_bytes``, ``maps_placement`` (``"resident"`` / ``"host"``) and
+        ``maps_buffers`` (the ggml buffer types); 0 bytes for identity fill."""
+        m = self._rf_maps
+        if m is None:
+            return {"maps_bytes": 0, "maps_placement": self._rf.placement if self._rf else None, "maps_buffers": []}
+        return {"maps_bytes": m.n_bytes, "maps_placement": m.placement, "maps_buffers": m.buffer_types}
 
     def _floats(self, getter) -> list[float]:
         n = getter(self._ctx.ctx, None, 0)
@@ -282,4 +336,4 @@ class Llama(llama_cpp.Llama):
         return k, v
 
 
-__all__ = ["Llama", "RidgeFill", "SELECTORS"]
+__all__ = ["Llama", "RidgeFill", "SELECTORS", "TOKEN_CLASSES", "PLACEMENTS"]

@@ -26,7 +26,8 @@ from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.mapfile import read_map_file, write_map_file
 from ridgefill_cpp.oracle import load_oracle
-from ridgefill_cpp.oracle.fill import attention_scores, default_selector_layer, fill_forward, select_exact_rows
+from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention, piece_texts,
+                                      probe_fill_forward, select_exact_rows, select_protected_rows)
 
 DENSE = ("llama", "qwen3", "gemma3")
 N_TOKENS = 160
@@ -302,8 +303,8 @@ def test_refusals_at_construction(tiny_models, map_files, prompt, tmp_path):
         RidgeFill(map_files["llama"], tail=0)
     with pytest.raises(ValueError, match=r"exact_fraction 1\.5 outside \[0, 1\]"):
         RidgeFill(map_files["llama"], exact_fraction=1.5)
-    with pytest.raises(ValueError, match="selector 'probe'"):
-        RidgeFill(map_files["llama"], selector="probe")
+    with pytest.raises(ValueError, match="selector 'probing'"):
+        RidgeFill(map_files["llama"], selector="probing")
     with pytest.raises(ValueError, match="the maps were fitted for split 3, not the requested split 2"):
         Llama(str(llama), ridgefill=RidgeFill(map_files["llama"], split=2), **_ctx_kwargs())
     with pytest.raises(ValueError, match="logits_all=True is not supported"):
@@ -608,5 +609,168 @@ def test_key_rescale_matches_the_oracle(arch, tiny_models, oracles, prompt, map_
             assert _rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < TOL[arch]
         with pytest.raises(ValueError, match="key_rescale -1 must be >= 0"):
             RidgeFill(map_files[arch], key_rescale=-1)
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# issue #8: the probe and protected selectors, map placement
+
+
+@pytest.mark.parametrize("n_ubatch", [8, 64])
+@pytest.mark.parametrize("arch", DENSE)
+def test_probe_selector_matches_the_oracle(arch, n_ubatch, tiny_models, oracles, prompt, map_files):
+    """Probe pass (all prefix rows filled, the tail scores them at every full-attention late layer),
+    then the selected rows and the tail again: scores, selection, logits, K/V rows, value scales
+    and the ceiling (T probe rows counted) as the oracle's probe_fill_forward."""
+    o = oracles[arch]
+    S, L = _split(arch, o), o.n_layer
+    maps = read_map_file(map_files[arch])
+    ref = probe_fill_forward(o, prompt, split=S, maps=maps, tail=TAIL, fraction=0.10, n_queries=64)
+    rf = RidgeFill(map_files[arch], tail=TAIL, selector="probe", min_prompt=0)
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        tol = TOL[arch]
+        scores = np.array(llm.ridgefill_scores())
+        ref_scores = ref.probe_scores.numpy()
+        # min(64, T) query rows at each full-attention late layer, one unit of probability per head
+        n_full = sum(1 for il in range(S, L) if is_full_attention(o, il))
+        assert scores.sum() == pytest.approx(o.n_head * TAIL * n_full, rel=1e-4)
+        np.testing.assert_allclose(scores, ref_scores, rtol=0, atol=tol * ref_scores.max())
+        want = ref.exact_rows.numpy()[:-TAIL].tolist()
+        assert st["exact_positions"] == want and len(want) == math.ceil(0.1 * (N_TOKENS - TAIL))
+        assert st["probe_rows"] == TAIL and st["selector_layer"] == S
+        assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < tol
+        np.testing.assert_allclose(np.array(llm.ridgefill_value_scales()), ref.value_scales.numpy(), rtol=tol)
+        for il in range(S, L):
+            k, v = llm.read_kv(il, list(range(N_TOKENS)))
+            assert _rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < tol, il
+            assert _rel(v, ref.values[il].reshape(N_TOKENS, -1).numpy()) < tol, il
+    finally:
+        llm.close()
+
+
+def test_probe_without_selected_rows_is_the_probe_pass(tiny_models, oracles, prompt, map_files):
+    """exact_fraction 0: no rows to select, the probe pass alone (its tail logits) is the result."""
+    o = oracles["llama"]
+    S = _split("llama", o)
+    maps = read_map_file(map_files["llama"])
+    ref = fill_forward(o, prompt, split=S, maps=maps, tail=TAIL)
+    llm = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill(map_files["llama"], tail=TAIL, selector="probe",
+                                                                exact_fraction=0.0, min_prompt=0), **_ctx_kwargs())
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        assert st["n_exact"] == 0 and st["probe_rows"] == 0
+        assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL["llama"]
+    finally:
+        llm.close()
+
+
+def _vocab(path):
+    from ridgefill_cpp.gguf_model import read_metadata
+
+    md = read_metadata(path, skip_arrays_longer_than=10**7)
+    texts = piece_texts(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.model"])
+    control = [t == 3 for t in md["tokenizer.ggml.token_type"]]
+    return texts, control
+
+
+@pytest.mark.parametrize("classes", [("digits",), ("rare",), ("line_start",), ("digits", "rare"),
+                                     ("digits", "rare", "line_start")])
+def test_protected_selector_matches_the_oracle(classes, tiny_models, oracles, prompt, map_files):
+    """The protected rows (token classes from the GGUF vocabulary, capped at the exact fraction)
+    are the oracle's; the prefill then matches fill_forward with those rows exact."""
+    from ridgefill_cpp.prefill import protected_mask
+
+    o = oracles["llama"]
+    S = _split("llama", o)
+    texts, control = _vocab(tiny_models["llama"])
+    llm = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill(map_files["llama"], tail=TAIL, selector="protected",
+                                                                protected=classes, exact_fraction=0.15, min_prompt=0),
+                **_ctx_kwargs())
+    try:
+        extra = llm.tokenize(b"\nroom 42 at 7:30\nthe code is 90210.\n", add_bos=False)
+        tokens = prompt[:N_TOKENS - len(extra) - 40] + extra + prompt[N_TOKENS - 40:N_TOKENS]
+        want = select_protected_rows(tokens, texts, control, len(tokens) - TAIL, 0.15, protected_mask(classes))
+        assert want, "the prompt has rows of the class"
+        llm.eval(tokens)
+        st = llm.ridgefill_stats
+        assert st["exact_positions"] == want
+        assert len(want) <= math.ceil(0.15 * (len(tokens) - TAIL))
+        ref = fill_forward(o, tokens, split=S, maps=read_map_file(map_files["llama"]), tail=TAIL, exact_positions=want)
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL["llama"]
+        if "digits" in classes:
+            digit_rows = [j for j in range(len(tokens) - TAIL) if any(c.isdigit() for c in texts[tokens[j]])]
+            assert set(digit_rows) <= set(want)  # digits first, and few enough to all fit
+    finally:
+        llm.close()
+
+
+def test_protected_selector_on_a_bpe_vocabulary(smollm2_path):
+    """SmolLM2's byte-level BPE vocabulary: llama.cpp's token texts and the oracle's decoding of the
+    GGUF tokens agree on the classes (digits, line starts)."""
+    texts, control = _vocab(smollm2_path)
+    rf = RidgeFill.identity(20, tail=64, selector="protected", protected=("digits", "line_start"),
+                            exact_fraction=0.2, min_prompt=0)
+    llm = Llama(str(smollm2_path), ridgefill=rf, n_ctx=512, n_batch=512, n_threads=2, verbose=False)
+    try:
+        text = "\n".join(f"Item {i}: the value of field {chr(97 + i % 26)} is {i * 37 % 1000}." for i in range(25))
+        tokens = llm.tokenize(text.encode(), add_bos=False)[:400]
+        want = select_protected_rows(tokens, texts, control, len(tokens) - 64, 0.2, 1 | 4)
+        llm.eval(tokens)
+        assert llm.ridgefill_stats["exact_positions"] == want and len(want) > 20
+    finally:
+        llm.close()
+
+
+def test_host_placement_is_the_same_path_on_cpu(tiny_models, map_files, prompt):
+    """placement="host" loads the maps for streaming; on a CPU build the prefill is identical, and the
+    statistics say how many bytes the maps take and where they live."""
+    out = {}
+    for placement in ("resident", "host"):
+        rf = RidgeFill(map_files["llama"], tail=TAIL, min_prompt=0, placement=placement)
+        llm = Llama(str(tiny_models["llama"]), ridgefill=rf, **_ctx_kwargs())
+        try:
+            llm.eval(prompt)
+            st = llm.ridgefill_stats
+            out[placement] = _last_logits(llm)
+            maps = read_map_file(map_files["llama"])
+            n_bytes = sum(a.astype(np.float32).nbytes + maps.b[il].astype(np.float32).nbytes for il, a in maps.a.items())
+            assert st["maps_bytes"] == n_bytes
+            assert st["maps_placement"] == placement and st["maps_buffers"] == ["CPU"]
+        finally:
+            llm.close()
+    np.testing.assert_array_equal(out["resident"], out["host"])
+    identity = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill.identity(4, tail=TAIL, min_prompt=0), **_ctx_kwargs())
+    try:
+        assert identity.ridgefill_memory()["maps_bytes"] == 0
+    finally:
+        identity.close()
+
+
+def test_selector_and_placement_refusals(tiny_models, map_files):
+    for kw, msg in [(dict(selector="probes"), "selector 'probes'"),
+                    (dict(selector="protected", protected=()), "protected token classes"),
+                    (dict(selector="protected", protected="digits,vowels"), "protected token classes"),
+                    (dict(placement="gpu"), "placement 'gpu'")]:
+        with pytest.raises(ValueError, match=msg):
+            RidgeFill(map_files["llama"], **kw)
+    # the C API refuses what the Python class would not build
+    llm = Llama(str(tiny_models["llama"]), **_ctx_kwargs())
+    try:
+        p = RidgeFill.identity(4, selector="protected").params()
+        p.protected_classes = 0
+        assert N.llama_ridgefill_attach(llm._ctx.ctx, None, p) == -1
+        assert "protected selector" in N.llama_ridgefill_last_error().decode()
+        p.protected_classes = 64
+        assert N.llama_ridgefill_attach(llm._ctx.ctx, None, p) == -1
+        p.selector = 7
+        assert N.llama_ridgefill_attach(llm._ctx.ctx, None, p) == -1
+        assert "unknown selector 7" in N.llama_ridgefill_last_error().decode()
     finally:
         llm.close()

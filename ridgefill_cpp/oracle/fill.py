@@ -105,6 +105,8 @@ class FillOutput:
     logits: torch.Tensor  # [1, n_vocab] (last row) or [T, n_vocab] (tail rows, tail_logits=True)
     gdn_states: dict[int, "GDNState"] = field(default_factory=dict)  # qwen35: GDN layer -> final state
     key_scales: torch.Tensor | None = None  # [L - S, n_head_kv] (key_rescale > 0), else None
+    probe_scores: torch.Tensor | None = None  # [N]: the probe's scores (probe_queries > 0 / probe_fill_forward)
+    n_probe: int = 0  # rows of the probe pass counted in the compute ratio (probe_fill_forward)
 
     @property
     def last_logits(self) -> torch.Tensor:
@@ -132,7 +134,7 @@ class FillOutput:
         L, N = len(self.keys), len(self.tokens)
         if not self.active:
             return 1.0
-        n_exact = int((self.roles != ROLE_FILLED).sum())
+        n_exact = int((self.roles != ROLE_FILLED).sum()) + self.n_probe
         return self.split / L + (1 - self.split / L) * n_exact / N
 
 
@@ -210,7 +212,8 @@ def _check_maps(oracle: Oracle, maps: "RidgeMaps", split: int, n_embd: int) -> N
 @torch.no_grad()
 def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "RidgeMaps | None" = None,
                  tail: int, exact_positions: Sequence[int] = (), value_rescale: int = DEFAULT_VALUE_RESCALE,
-                 key_rescale: int = 0, tail_logits: bool = False) -> FillOutput:
+                 key_rescale: int = 0, tail_logits: bool = False, probe_queries: int = 0,
+                 fixed: FillOutput | None = None) -> FillOutput:
     """Filled-row prefill of `tokens` (a fresh sequence, positions 0..N-1), DESIGN §4.
 
     `split` S (1..L; S = L is the exact forward), `maps` the ridge maps fitted for S (None:
@@ -219,6 +222,11 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     c_K: the key analogue of the value scale, measured on the first min(c_K, T) tail rows and applied
     to the filled K (0: off, the default; issue #8).
     `tail_logits`: logits of every tail row instead of the last one only.
+
+    The probe selector's two passes (:func:`probe_fill_forward`): `probe_queries` n_q > 0 sums the
+    attention the last n_q exact rows pay every row at each full-attention late layer (against the
+    cache as it is there, filled rows included) into ``probe_scores``; `fixed` (a probe pass's
+    output) gives the filled rows' late-layer K/V and the scales instead of computing them.
     """
     tokens = [int(t) for t in tokens]
     n, n_layer = len(tokens), oracle.n_layer
@@ -247,6 +255,7 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     gdn_states: dict[int, GDNState] = {}
     value_scales = torch.ones(n_layer - split, oracle.n_head_kv, dtype=x.dtype)
     key_scales = torch.ones(n_layer - split, oracle.n_head_kv, dtype=x.dtype) if key_rescale > 0 else None
+    probe_scores = torch.zeros(n, dtype=x.dtype) if probe_queries > 0 else None
 
     # §4.1: layers 0..S-1 run exactly on all rows (all layers when the plan is inactive); this
     # loop is the oracle's exact forward pass, piece by piece
@@ -290,19 +299,26 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
             gdn_states[il] = upd.state
             continue
 
+        if fixed is not None:
+            # the probe pass wrote the filled rows (with its scales): they stay as they are
+            k_filled, v_filled = fixed.keys[il][filled], fixed.values[il][filled]
+            value_scales[il - split] = fixed.value_scales[il - split]
+            if key_scales is not None and fixed.key_scales is not None:
+                key_scales[il - split] = fixed.key_scales[il - split]
         # (a) the value scale, from the tail rows' exact and predicted inputs
-        if n_scale_rows > 0:
+        elif n_scale_rows > 0:
             x_pred_tail = predicted_input(oracle, maps, il, split, x_split[scale_rows])
             value_scales[il - split] = value_scale(oracle, il, x_exact[scale_in_exact], x_pred_tail, scale_rows)
-        s = value_scales[il - split]
-        if key_scales is not None and n_key_rows > 0:
-            x_pred_key = predicted_input(oracle, maps, il, split, x_split[key_rows])
-            key_scales[il - split] = key_scale(oracle, il, x_exact[key_in_exact], x_pred_key, key_rows)
-        # (b) filled rows: the layer's own K/V path on x̂_l, V rescaled, into the cache
-        k_filled, v_filled = oracle.kv_path(il, x_hat, positions[filled])
-        v_filled = v_filled * s[None, :, None]
-        if key_scales is not None:
-            k_filled = k_filled * key_scales[il - split][None, :, None]
+        if fixed is None:
+            s = value_scales[il - split]
+            if key_scales is not None and n_key_rows > 0:
+                x_pred_key = predicted_input(oracle, maps, il, split, x_split[key_rows])
+                key_scales[il - split] = key_scale(oracle, il, x_exact[key_in_exact], x_pred_key, key_rows)
+            # (b) filled rows: the layer's own K/V path on x̂_l, V rescaled, into the cache
+            k_filled, v_filled = oracle.kv_path(il, x_hat, positions[filled])
+            v_filled = v_filled * s[None, :, None]
+            if key_scales is not None:
+                k_filled = k_filled * key_scales[il - split][None, :, None]
         # exact rows' K/V: the same path on their exact input
         k_exact, v_exact = oracle.kv_path(il, x_exact, positions[exact])
         k_cache = torch.empty(n, *k_exact.shape[1:], dtype=k_exact.dtype)
@@ -310,13 +326,114 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
         k_cache[filled], v_cache[filled] = k_filled, v_filled
         k_cache[exact], v_cache[exact] = k_exact, v_exact
         keys[il], values[il] = k_cache, v_cache
+        if probe_scores is not None and is_full_attention(oracle, il):
+            q = exact[-min(probe_queries, len(exact)):]
+            w = oracle.attention_weights(il, x_exact[-len(q):], positions[q], k_cache, positions)
+            probe_scores += w.sum(dim=(0, 1))
         # (c) exact rows run the rest of the layer over the whole cache
         x_exact = oracle.layer_over_cache(il, x_exact, positions[exact], k_cache, v_cache, positions)
 
     out = _output(oracle, tokens, positions, split, tail, roles, True, layer_inputs, keys, values,
                   value_scales, n_scale_rows, x_exact, tail_logits, gdn_states)
     out.key_scales = key_scales
+    out.probe_scores = probe_scores
     return out
+
+
+@torch.no_grad()
+def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "RidgeMaps | None" = None,
+                       tail: int, fraction: float = DEFAULT_FRACTION, n_queries: int = DEFAULT_N_QUERIES,
+                       value_rescale: int = DEFAULT_VALUE_RESCALE, key_rescale: int = 0,
+                       tail_logits: bool = False) -> FillOutput:
+    """The `probe` selector (DESIGN §5) end to end. Probe pass: every prefix row filled (value and
+    key scales measured in this pass), the tail runs the late layers against that cache, and the
+    last min(n_queries, T) rows' attention at each full-attention late layer scores the rows. The
+    top ceil(fraction · prefix) prefix rows are selected; they and the tail then run the late layers
+    exactly over the probe's filled rows (their cells are overwritten by the exact K/V). No rows
+    selected: the probe pass is the result. ``n_probe`` = T when the second pass ran.
+    """
+    probe = fill_forward(oracle, tokens, split=split, maps=maps, tail=tail, value_rescale=value_rescale,
+                         key_rescale=key_rescale, tail_logits=tail_logits,
+                         probe_queries=min(n_queries, tail, len(tokens)))
+    if not probe.active:
+        return probe
+    prefix_len = len(tokens) - probe.tail
+    chosen = select_exact_rows(probe.probe_scores, prefix_len, fraction)
+    if not chosen:
+        return probe
+    out = fill_forward(oracle, tokens, split=split, maps=maps, tail=tail, exact_positions=chosen,
+                       value_rescale=value_rescale, key_rescale=key_rescale, tail_logits=tail_logits, fixed=probe)
+    out.probe_scores = probe.probe_scores
+    out.n_probe = probe.tail
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the protected selector (DESIGN §5)
+
+#: token classes of the `protected` selector (the C enum's bits)
+CLASS_DIGIT, CLASS_RARE, CLASS_LINE_START = 1, 2, 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's byte-level BPE alphabet: printable bytes stand for themselves, the others are shifted
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def piece_texts(tokens_meta: Sequence[str], tokenizer_model: str) -> list[str]:
+    """The text of every vocabulary entry, from the GGUF's ``tokenizer.ggml.tokens`` and
+    ``tokenizer.ggml.model``: SentencePiece (``llama``: "▁" is a space, ``<0xNN>`` a byte) or
+    byte-level BPE (``gpt2``). Undecodable bytes become U+FFFD."""
+    out = []
+    if tokenizer_model == "gpt2":
+        inv = {c: b for b, c in _bytes_to_unicode().items()}
+        for t in tokens_meta:
+            out.append(bytes(inv.get(c, 0x3F) for c in t).decode("utf-8", errors="replace"))
+        return out
+    for t in tokens_meta:
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            out.append(bytes([int(t[3:5], 16)]).decode("utf-8", errors="replace"))
+        else:
+            out.append(t.replace("\u2581", " "))
+    return out
+
+
+def select_protected_rows(tokens: Sequence[int], texts: Sequence[str], control: Sequence[bool], prefix_len: int,
+                          fraction: float = DEFAULT_FRACTION, classes: int = CLASS_DIGIT | CLASS_RARE) -> list[int]:
+    """The `protected` selector: the prefix rows whose token is in one of `classes` (digits: the
+    token's text has a decimal digit; rare: the token occurs once in the prompt; line start: the
+    previous token's text ends with a newline), control tokens never, at most
+    ceil(fraction · prefix_len) of them: digit rows first, then rows of rarer tokens (fewer
+    occurrences in the prompt), then earlier rows. `texts`/`control`: per vocabulary entry."""
+    tokens = [int(t) for t in tokens]
+    count: dict[int, int] = {}
+    for t in tokens:
+        count[t] = count.get(t, 0) + 1
+    cands = []
+    for j in range(min(prefix_len, len(tokens))):
+        t = tokens[j]
+        if control[t]:
+            continue
+        cls = 0
+        if any(c in "0123456789" for c in texts[t]):
+            cls |= CLASS_DIGIT
+        if count[t] == 1:
+            cls |= CLASS_RARE
+        if j > 0 and texts[tokens[j - 1]].endswith("\n"):
+            cls |= CLASS_LINE_START
+        cls &= classes
+        if cls:
+            rank = 0 if cls & CLASS_DIGIT else 1 if cls & CLASS_RARE else 2
+            cands.append((rank, count[t], j))
+    cands.sort()
+    return sorted(j for _, _, j in cands[:n_selected(prefix_len, fraction)])
 
 
 def _output(oracle, tokens, positions, split, tail, roles, active, layer_inputs, keys, values, value_scales,
