@@ -190,8 +190,11 @@ def benchmark_prefill(
     if info.context_length:
         n_ctx = min(n_ctx, info.context_length)  # the longest prompt's continuation may be shorter
 
-    settings = dict(split=split, tail=tail, exact_fraction=exact_fraction, selector=selector,
+    sel_name, _, classes = selector.partition(":")  # "protected:digits+rare": the classes
+    settings = dict(split=split, tail=tail, exact_fraction=exact_fraction, selector=sel_name,
                     value_rescale=value_rescale, min_prompt=min_prompt)
+    if classes:
+        settings["protected"] = tuple(classes.split("+"))
     variants: dict[str, dict] = {STOCK: {}}
     if maps is not None:
         variants[RIDGEFILL] = {"ridgefill": RidgeFill(maps, **settings)}

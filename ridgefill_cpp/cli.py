@@ -294,8 +294,12 @@ def _check_prefill_args(model: Path, lengths: str, selector: str) -> list[int]:
         ns = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
         _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
-    if selector not in ("attention", "none"):
-        _fail(f"--selector must be attention or none, not {selector!r}")
+    from .evaluate import parse_selector
+
+    try:
+        parse_selector(selector)
+    except ValueError as e:
+        _fail(f"--selector: {e}")
     try:
         read_model_info(model)
     except GGUFFileError as e:
@@ -311,7 +315,7 @@ def bench(
     split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S without maps (default L - floor(L/3); with maps: the file's)."),
     tail: int = typer.Option(64, "--tail", min=1, help="T: the last prompt rows, always exact."),
     exact_fraction: float = typer.Option(0.10, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector: attention or none."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector: attention, probe (late-layer attention of the tail, one extra pass), protected[:digits+rare+line_start] (token classes) or none."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
     min_prompt: int = typer.Option(1024, "--min-prompt", min=0, help="Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill)."),
     identity: bool = typer.Option(True, "--identity/--no-identity", help="Also time identity fill at the same settings."),
@@ -388,7 +392,8 @@ def eval_cmd(
     lengths: str = typer.Option("2048", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
     tail: int = typer.Option(64, "--tail", min=1, help="T: the last prompt rows, exact; their next-token losses are scored."),
     exact_fraction: float = typer.Option(0.10, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of the fill variants: attention or none."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of the fill variants: attention, probe, protected[:digits+rare+line_start] or none."),
+    selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,protected:rare); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help="Documents per length (default 12; --quick: 4)."),
     key_rescale: int = typer.Option(0, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows."),
@@ -411,7 +416,8 @@ def eval_cmd(
 
     ns = _check_prefill_args(model, lengths, selector)
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,
-              splice=splice, n_threads=threads, key_rescale=key_rescale)
+              splice=splice, n_threads=threads, key_rescale=key_rescale,
+              selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()))
     if docs is not None:
         kw["n_docs"] = docs
     if quick:

@@ -61,6 +61,8 @@ class EvalOptions:
     n_batch: int = 512
     min_prompt: int = 0              # fill variants run stock prefill below it (tests: exact vs exact)
     key_rescale: int = 0             # > 0: also the variant "ridge + key rescale" (c_K rows; issue #8)
+    selectors: tuple[str, ...] = ()  # more selector variants of ridge at the first split ("probe",
+                                     #   "protected", "protected:digits+rare", ...; see parse_selector)
 
     @classmethod
     def quick(cls, **kw) -> "EvalOptions":
@@ -68,6 +70,24 @@ class EvalOptions:
         base = dict(lengths=[1024], n_docs=4, depths=(0.2, 0.6), names_per_depth=1, n_boot=500)
         base.update(kw)
         return cls(**base)
+
+
+def parse_selector(spec: str) -> tuple[int, int | None]:
+    """A selector spec -> (C selector, protected classes or None): ``attention``, ``probe``, ``none``,
+    ``protected`` (the default classes) or ``protected:CLASS+CLASS`` (digits, rare, line_start)."""
+    from .prefill import DEFAULT_PROTECTED, SELECTORS, protected_mask
+
+    name, _, classes = spec.partition(":")
+    if name not in SELECTORS or (classes and name != "protected"):
+        raise ValueError(f"selector {spec!r}: use one of {', '.join(SELECTORS)}, or protected:CLASS+CLASS")
+    if name != "protected":
+        return SELECTORS[name], None
+    return SELECTORS[name], protected_mask(classes.split("+") if classes else DEFAULT_PROTECTED)
+
+
+def lever_name(spec: str) -> str:
+    """The variant / retrieval-condition name of ridge with selector ``spec``."""
+    return f"ridge, {spec} selector"
 
 
 @dataclass
@@ -193,8 +213,9 @@ class _Runner:
         p.split_layer = split
         p.n_tail = options.tail
         p.exact_fraction = options.exact_fraction
-        p.selector = {"attention": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION,
-                      "none": N.LLAMA_RIDGEFILL_SELECTOR_NONE}[selector or options.selector]
+        p.selector, classes = parse_selector(selector or options.selector)
+        if classes is not None:
+            p.protected_classes = classes
         p.n_rescale = options.value_rescale
         p.min_prompt = options.min_prompt
         p.splice = splice
@@ -276,6 +297,8 @@ class EvalResult:
     retrieval: dict = field(default_factory=dict)
     # length -> variant -> {"ceiling": ..., "n_exact": ...}
     plans: dict = field(default_factory=dict)
+    # length -> lever variant -> {"all"|"novel"|"key": CI of (variant ΔNLL − ridge ΔNLL), paired by document}
+    paired: dict = field(default_factory=dict)
     elapsed_s: float | None = None   # wall time of the whole evaluation
 
     def ttft_ratio(self, n: int, variant: str) -> float:
@@ -300,6 +323,10 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     options = options or EvalOptions()
     if not maps:
         raise ValueError("eval needs a map file (--maps)")
+    for spec in (options.selector, *options.selectors):
+        parse_selector(spec)
+    if len(set(options.selectors)) != len(options.selectors):
+        raise ValueError(f"a selector variant is listed twice: {', '.join(options.selectors)}")
     info = read_model_info(model)
     metas = [read_map_file(m).meta for m in maps]
     for m, meta in zip(maps, metas):
@@ -325,9 +352,10 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     T = options.tail
     n_splice = 2 if options.splice else 0
     # exact, cut, ridge, identity, sweep, key rescale, (exact + splice) x 2
-    per_doc_runs = 4 + len(splits) - 1 + (options.key_rescale > 0) + 2 * n_splice
+    per_doc_runs = 4 + len(splits) - 1 + (options.key_rescale > 0) + len(options.selectors) + 2 * n_splice
     conditions = ["exact", "ridge, planted row filled", "ridge, attention selector", "identity, planted row filled",
                   "identity, attention selector"]
+    conditions += [lever_name(spec) for spec in options.selectors if lever_name(spec) not in conditions]
     n_retr = len(options.depths) * options.names_per_depth
     total = len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions))
     done = 0
@@ -353,6 +381,8 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
             variants = ["ridge", "identity"] + [_variant_name(s, S0) for s in splits[1:]]
             if options.key_rescale > 0:
                 variants.append("ridge + key rescale")
+            levers = (["ridge + key rescale"] if options.key_rescale > 0 else []) + [lever_name(x) for x in options.selectors]
+            variants += [lever_name(x) for x in options.selectors]
             if options.splice:
                 variants += ["ridge, exact K", "ridge, exact V"]
             recs = {v: [] for v in ["exact"] + variants}
@@ -382,12 +412,13 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
                     recs[variant].append(r)
                     times[variant].append(dt)
 
-                fills = [("ridge", maps[0], S0, 0), ("identity", None, S0, 0)]
-                fills += [(_variant_name(s, S0), m, s, 0) for m, s in zip(maps[1:], splits[1:])]
+                fills = [("ridge", maps[0], S0, 0, None), ("identity", None, S0, 0, None)]
+                fills += [(_variant_name(s, S0), m, s, 0, None) for m, s in zip(maps[1:], splits[1:])]
                 if options.key_rescale > 0:
-                    fills.append(("ridge + key rescale", maps[0], S0, options.key_rescale))
-                for variant, mp, s, krs in fills:
-                    run.attach(mp, s, options, key_rescale=krs)
+                    fills.append(("ridge + key rescale", maps[0], S0, options.key_rescale, None))
+                fills += [(lever_name(x), maps[0], S0, 0, x) for x in options.selectors]
+                for variant, mp, s, krs, sel in fills:
+                    run.attach(mp, s, options, selector=sel, key_rescale=krs)
                     logits, dt = run.prefill(prompt, T, plan=True)
                     scored(variant, _nll(logits, targets), dt)
                     if variant not in plans:
@@ -411,6 +442,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
             res.times[key] = times
             res.plans[key] = plans
             res.summary[key] = _summarise(recs, variants, options)
+            res.paired[key] = _paired(recs, levers, options)
             if options.splice:
                 res.splice[key] = _splice_shares(recs, options)
             res.retrieval[key] = _retrieval(run, tokenize, bos, texts, n, options, S0, maps[0], conditions, tick)
@@ -433,6 +465,25 @@ def _summarise(recs: dict, variants: list[str], options: EvalOptions) -> dict:
             ci = metrics.bootstrap_ci(vals[keep], wts[keep], n_boot=options.n_boot, seed=options.seed)
             ppl = metrics.perplexity_ratio_ci(ci)
             out[v][m] = {"delta": ci._asdict(), "ppl_ratio": ppl._asdict(), "tokens": int(wts.sum())}
+    return out
+
+
+def _paired(recs: dict, levers: list[str], options: EvalOptions) -> dict:
+    """Each lever's ΔNLL minus the plain ridge fill's, per document (the same tokens), token-weighted,
+    with a bootstrap CI over documents: below 0 = the lever helps."""
+    out = {}
+    for v in levers:
+        out[v] = {}
+        for m in ("all", "novel", "key"):
+            base = np.array([r[m][0] for r in recs["ridge"]], dtype=np.float64)
+            lev = np.array([r[m][0] for r in recs[v]], dtype=np.float64)
+            wts = np.array([r[m][1] for r in recs["ridge"]], dtype=np.float64)
+            keep = wts > 0
+            if not keep.any():
+                out[v][m] = None
+                continue
+            ci = metrics.bootstrap_ci(lev[keep] - base[keep], wts[keep], n_boot=options.n_boot, seed=options.seed)
+            out[v][m] = ci._asdict()
     return out
 
 
@@ -486,8 +537,8 @@ def _retrieval(run: _Runner, tokenize, bos, texts, n: int, options: EvalOptions,
                 logits, _ = run.prefill(toks, 1, plan=False)
             else:
                 which, sel = cond.split(", ")
-                run.attach(maps_path if which == "ridge" else None, split, options,
-                           selector="none" if sel == "planted row filled" else "attention")
+                spec = "none" if sel == "planted row filled" else sel.removesuffix(" selector")
+                run.attach(maps_path if which == "ridge" else None, split, options, selector=spec)
                 logits, _ = run.prefill(toks, 1, plan=True)
             preds.append(run.greedy(logits[-1], 8))
             tick(f"retrieval ({cond})")

@@ -99,6 +99,17 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
                      f"{_ci(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
                      f"{plan.get('ceiling', float('nan')):.2f}x |")
         L.append("")
+        paired = (getattr(res, "paired", None) or {}).get(n) or {}
+        if paired:
+            L.append("**Levers** (each lever's ΔNLL minus the plain ridge fill's on the same documents and tokens, "
+                     "paired by document; below 0: the lever helps; 95 % bootstrap CI over documents):\n")
+            L.append("| lever | novel | key | all | speed vs exact | ceiling 1/r |")
+            L.append("|---|---|---|---|---|---|")
+            for v, row in paired.items():
+                plan = res.plans[n].get(v, {})
+                L.append(f"| {v} | " + " | ".join(_ci(row.get(m)) for m in ("novel", "key", "all")) +
+                         f" | {res.ttft_ratio(int(n), v):.2f}x | {plan.get('ceiling', float('nan')):.2f}x |")
+            L.append("")
         if n in res.splice:
             L.append("**Splice test** (share of the ridge fill's ΔNLL removed when the filled rows' late-layer K, or V, "
                      "is replaced by the exact one; the exact prefill fills the same cells first):\n")

@@ -46,21 +46,32 @@ def test_documents_have_the_length_and_rotate_kinds():
 def test_eval_quick_writes_a_well_formed_report(tiny_models, tiny_maps, cli, tmp_path):
     out = tmp_path / "report"
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--maps", tiny_maps[1], "--quick", "--docs", 3,
-            "--threads", 1, "--out", out)
+            "--threads", 1, "--key-rescale", 16, "--selectors", "probe,protected:digits+rare", "--out", out)
     assert r.exit_code == 0, r.output
     d = json.loads((out / "results.json").read_text())
     assert d["splits"] == [4, 3] and d["key_cut"]["1024"]["k"] >= 64
     s = d["summary"]["1024"]
-    assert set(s) == {"ridge", "identity", "ridge S=3", "ridge, exact K", "ridge, exact V"}
+    levers = {"ridge + key rescale", "ridge, probe selector", "ridge, protected:digits+rare selector"}
+    assert set(s) == {"ridge", "identity", "ridge S=3", "ridge, exact K", "ridge, exact V"} | levers
+    # each lever against plain ridge, paired by document: the difference of the two token-weighted means
+    assert set(d["paired"]["1024"]) == levers
+    for v in levers:
+        ci = d["paired"]["1024"][v]["novel"]
+        assert ci["low"] <= ci["estimate"] <= ci["high"]
+        assert ci["estimate"] == pytest.approx(s[v]["novel"]["delta"]["estimate"] - s["ridge"]["novel"]["delta"]["estimate"],
+                                               abs=1e-12)
+    assert d["plans"]["1024"]["ridge, probe selector"]["ceiling"] < d["plans"]["1024"]["ridge"]["ceiling"]
     for v in s.values():
         for m in ("all", "novel"):
             ci = v[m]["delta"]
             assert ci["low"] <= ci["estimate"] <= ci["high"] and ci["n"] == 3
     assert len(d["docs"]["1024"]["exact"]) == 3
     assert set(d["retrieval"]["1024"]) == {"exact", "ridge, planted row filled", "ridge, attention selector",
-                                           "identity, planted row filled", "identity, attention selector"}
+                                           "identity, planted row filled", "identity, attention selector",
+                                           "ridge, probe selector", "ridge, protected:digits+rare selector"}
     md = (out / "report.md").read_text()
     assert "## 1024-token prompts" in md and "Splice test" in md and "Filled-region retrieval" in md
+    assert "**Levers**" in md and "| ridge, probe selector |" in md
     assert "PSF-2.0" in md and "K = " in md
     for png in ("delta_nll_1024.png", "split_sweep.png", "retrieval_1024.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in md
@@ -71,7 +82,10 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps):
     """Fill variants that run stock prefill (prompts below min_prompt): ΔNLL is exactly 0 on every
     metric and document, and retrieval answers equal exact's."""
     res = evaluate(tiny_models["llama"], [tiny_maps[0]],
-                   EvalOptions.quick(min_prompt=10**6, n_docs=3, splice=False, n_threads=1))
+                   EvalOptions.quick(min_prompt=10**6, n_docs=3, splice=False, n_threads=1, key_rescale=8,
+                                     selectors=("probe", "protected")))
+    for v, row in res.paired["1024"].items():
+        assert row["novel"]["estimate"] == row["novel"]["low"] == row["novel"]["high"] == 0.0, v
     for v, row in res.summary["1024"].items():
         for m in ("all", "novel"):
             assert row[m]["delta"]["estimate"] == 0.0 and row[m]["delta"]["low"] == row[m]["delta"]["high"] == 0.0, (v, m)
@@ -91,6 +105,10 @@ def test_eval_bad_input(tiny_models, tiny_maps, cli, tmp_path):
     assert r.exit_code == 1 and "longer than the model's context" in r.output
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--maps", tiny_maps[0], "--out", tmp_path / "x")
     assert r.exit_code == 1 and "two map files for the same split" in r.output
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--selectors", "probe,guess", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "selector 'guess'" in r.output
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--selector", "protected:vowels", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "protected token classes" in r.output
     empty = tmp_path / "empty"
     empty.mkdir()
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--text", empty, "--out", tmp_path / "x")
