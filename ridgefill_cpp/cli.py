@@ -163,9 +163,13 @@ def _quality_table(meta, title: str) -> Table:
 def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
     from dataclasses import asdict
 
+    from .mapfile import map_tensor_bytes
+
+    n_bytes = map_tensor_bytes(path)
     if as_json:
         d = asdict(meta)
         d["input_norm"] = meta.input_norm
+        d["maps_bytes"] = n_bytes
         if problems is not None:
             d["fits_model"] = {"model": str(model), "ok": not problems, "problems": problems}
         print(json.dumps(d, indent=2))
@@ -182,6 +186,9 @@ def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
         ("calibration", f"{meta.calib_n_tokens} tokens in windows of {meta.calib_ctx} ({meta.calib_n_rows} rows used, "
                         f"first {meta.calib_skip_rows} of each window skipped); {meta.calib_source}"),
         ("held-out rows", str(meta.heldout_n_rows)),
+        ("memory", f"{n_bytes / 2**20:.1f} MiB of maps: with their layers' weights by default (VRAM on a GPU build), or "
+                   "in pinned host memory, streamed to the GPU once per layer, with RidgeFill(placement=\"host\"); "
+                   "the same on CPU"),
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
     ]:
         t.add_row(k, v)

@@ -51,6 +51,30 @@ KEY_ID_REL_ERR = "ridgefill.quality.identity_rel_err_median"
 KEY_FINGERPRINT = "ridgefill.model.fingerprint"
 KEY_MODEL_NAME = "ridgefill.model.name"
 
+#: the operating point chosen by ``ridgefill-gguf tune`` (optional; :func:`read_tuned_defaults`)
+TUNED_PREFIX = "ridgefill.tuned."
+#: tuned key (without the prefix) -> (GGUF value type name, required, what it is)
+TUNED_KEYS: dict[str, tuple[str, bool, str]] = {
+    "tail": ("UINT32", True, "T, the last prompt rows kept exact"),
+    "exact_fraction": ("FLOAT64", True, "share of the prefix rows the selector keeps exact"),
+    "selector": ("STRING", True, "exact-row selector"),
+    "budget": ("FLOAT64", False, "the novel-token ΔNLL budget (nats) the setting was chosen under"),
+    "criterion": ("STRING", False, "'estimate' (point estimate <= budget) or 'upper' (CI upper bound, --strict)"),
+    "delta_nll_novel": ("FLOAT64", False, "measured novel-token ΔNLL (nats), point estimate"),
+    "delta_nll_novel_low": ("FLOAT64", False, "its 95 % bootstrap CI, lower bound"),
+    "delta_nll_novel_high": ("FLOAT64", False, "its 95 % bootstrap CI, upper bound"),
+    "delta_nll_all": ("FLOAT64", False, "measured ΔNLL over all scored tokens (nats)"),
+    "speedup": ("FLOAT64", False, "measured prefill speedup over exact prefill (median ratio)"),
+    "ceiling": ("FLOAT64", False, "the plan's compute ceiling 1/r"),
+    "value_rescale": ("UINT32", False, "c, the value-scale rows the setting was measured with"),
+    "n_docs": ("UINT32", False, "held-out documents measured"),
+    "length": ("UINT32", False, "prompt length of the documents (tokens)"),
+    "scored_rows": ("UINT32", False, "last prompt rows scored per document"),
+    "source": ("STRING", False, "the held-out text"),
+    "tool_version": ("STRING", False, "ridgefill-cpp version that tuned"),
+    "date": ("STRING", False, "when it was tuned (ISO 8601, UTC)"),
+}
+
 OBJECTIVES = ("raw", "normalized")
 INPUT_NORMS = {"raw": "none", "normalized": "rms"}
 
@@ -262,6 +286,112 @@ def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str) -> 
     return problems
 
 
+def tuned_defaults_from_metadata(md: dict[str, Any], path: os.PathLike | str = "") -> dict[str, Any] | None:
+    """The ``ridgefill.tuned.*`` values of a map file's metadata as ``{short name: value}``, or None
+    when it has none. Raises :class:`MapFileError` on unknown, missing or ill-typed tuned keys."""
+    found = {k[len(TUNED_PREFIX):]: v for k, v in md.items() if k.startswith(TUNED_PREFIX)}
+    if not found:
+        return None
+    where = f"{path}: " if str(path) else ""
+    out: dict[str, Any] = {}
+    for name, value in found.items():
+        if name not in TUNED_KEYS:
+            raise MapFileError(f"{where}unknown tuned key {TUNED_PREFIX}{name}")
+        kind = TUNED_KEYS[name][0]
+        ok = (isinstance(value, str) if kind == "STRING" else
+              isinstance(value, int) and not isinstance(value, bool) if kind == "UINT32" else
+              isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            raise MapFileError(f"{where}{TUNED_PREFIX}{name} = {value!r} is not a {kind.lower()}")
+        out[name] = float(value) if kind == "FLOAT64" else value
+    missing = [k for k, (_, req, _) in TUNED_KEYS.items() if req and k not in out]
+    if missing:
+        raise MapFileError(f"{where}tuned defaults without {', '.join(TUNED_PREFIX + k for k in missing)}")
+    return {k: out[k] for k in TUNED_KEYS if k in out}
+
+
+def _read_map_metadata(path: os.PathLike | str) -> dict[str, Any]:
+    from .gguf_model import GGUFFileError, read_metadata
+
+    try:
+        md = read_metadata(path)
+    except GGUFFileError as e:
+        raise MapFileError(str(e)) from None
+    if md.get("general.type") != "adapter" or md.get("adapter.type") != ADAPTER_TYPE:
+        raise MapFileError(f"{path}: not a RidgeFill map file (general.type={md.get('general.type')!r}, "
+                           f"adapter.type={md.get('adapter.type')!r})")
+    return md
+
+
+def read_tuned_defaults(path: os.PathLike | str) -> dict[str, Any] | None:
+    """The operating point ``ridgefill-gguf tune`` wrote into a map file (``tail``,
+    ``exact_fraction``, ``selector`` and how they were measured: see :data:`TUNED_KEYS`), or None
+    when the file has none. Raises :class:`MapFileError` for a file that is not a map file."""
+    return tuned_defaults_from_metadata(_read_map_metadata(path), path)
+
+
+def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> Path:
+    """Rewrite the map file at ``path`` with ``defaults`` as its ``ridgefill.tuned.*`` keys.
+
+    Every other key and every tensor is copied unchanged (tensor bytes included); tuned keys of an
+    earlier run are replaced, not merged. Atomic: a temporary file next to it, then a rename (a
+    symlink is followed, the file keeps its permission bits); on any error the original is left
+    as it was. ``defaults`` needs ``tail``, ``exact_fraction`` and ``selector``.
+    """
+    import gguf
+
+    path = Path(path).resolve()
+    _read_map_metadata(path)  # a map file (clear error otherwise)
+    unknown = [k for k in defaults if k not in TUNED_KEYS]
+    if unknown:
+        raise ValueError(f"unknown tuned keys: {', '.join(unknown)} (known: {', '.join(TUNED_KEYS)})")
+    values: dict[str, Any] = {}
+    for name, value in defaults.items():
+        if value is None:
+            continue
+        kind = TUNED_KEYS[name][0]
+        if kind == "STRING":
+            value = str(value) or "-"  # gguf-py drops empty strings
+        elif kind == "UINT32":
+            if isinstance(value, bool) or int(value) != value or int(value) < 0:
+                raise ValueError(f"tuned {name} = {value!r} must be a non-negative integer")
+            value = int(value)
+        else:
+            value = float(value)
+            if not np.isfinite(value):
+                raise ValueError(f"tuned {name} = {value!r} must be finite")
+        values[name] = value
+    tuned_defaults_from_metadata({TUNED_PREFIX + k: v for k, v in values.items()}, path)  # required keys present
+    if not 1 <= values["tail"]:
+        raise ValueError(f"tuned tail {values['tail']} must be >= 1")
+    if not 0.0 <= values["exact_fraction"] <= 1.0:
+        raise ValueError(f"tuned exact_fraction {values['exact_fraction']} outside [0, 1]")
+
+    mode = path.stat().st_mode & 0o7777
+    reader = gguf.GGUFReader(path, "r")
+    arch = reader.fields["general.architecture"].contents()
+    with atomic_gguf_writer(path, arch) as w:
+        os.chmod(w.path, mode)
+        for name, fld in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture" or name.startswith(TUNED_PREFIX):
+                continue
+            kind = fld.types[0]
+            sub = fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            if name == "general.alignment":
+                w.data_alignment = int(fld.contents())
+            w.add_key_value(name, fld.contents(), kind, sub_type=sub)
+        for name, value in values.items():
+            w.add_key_value(TUNED_PREFIX + name, value, getattr(gguf.GGUFValueType, TUNED_KEYS[name][0]))
+        for t in reader.tensors:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                w.add_tensor(t.name, np.asarray(t.data).reshape(shape))
+            else:
+                w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    del reader
+    return path
+
+
 def summary_rows(meta: MapFileMeta) -> list[dict[str, Any]]:
     """One dict per mapped layer: layer, lambda, r2, rel_err, identity_rel_err."""
     return [
@@ -274,3 +404,11 @@ def summary_rows(meta: MapFileMeta) -> list[dict[str, Any]]:
 def late_layers(split_layer: int, n_layer: int) -> Sequence[int]:
     """The layers that get a map: S+1 .. L-1."""
     return range(split_layer + 1, n_layer)
+
+
+def map_tensor_bytes(path: os.PathLike | str) -> int:
+    """Bytes of the map tensors in a map file (what a loaded copy takes, F16 or F32 as stored)."""
+    from gguf import GGUFReader
+
+    return int(sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
+                   if t.name.endswith((".ridgefill_a.weight", ".ridgefill_b.bias"))))

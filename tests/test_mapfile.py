@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import copy
 import hashlib
 import os
@@ -180,8 +182,12 @@ def test_cli_fit_then_info(cli, tiny_models, tmp_path):
     assert "the maps fit" in res.output and "split S" in res.output
     res = cli("info", out, "--model", tiny_models["llama"])
     assert res.exit_code == 1 and "do not fit" in res.output and "architecture" in res.output
+    assert "MiB of maps" in res.output and "placement" in res.output
     res = cli("info", "--json", out)
     assert res.exit_code == 0 and '"split_layer": 4' in res.output
+    maps = read_map_file(out)
+    # F16 A (the default dtype) and F32 b per mapped layer
+    assert json.loads(res.output)["maps_bytes"] == sum(a.size * 2 + maps.b[il].size * 4 for il, a in maps.a.items())
     # the output exists now: refused without --force, and left as it was
     digest = _sha(out)
     res = cli("fit", model, "--tokens", 3000, "--ctx", 128)
