@@ -28,6 +28,7 @@ from ridgefill_cpp.oracle.fill import (
     attention_scores,
     default_selector_layer,
     fill_forward,
+    key_scale,
     n_selected,
     select_attention_rows,
     select_exact_rows,
@@ -412,3 +413,19 @@ def test_qwen35_filled_rows_feed_only_the_state_update(oracles, prompt, exact, m
     assert out.keys[5] is not None and out.keys[3] is None and out.keys[4] is None
     assert torch.equal(out.value_scale(3), torch.ones(o.n_head_kv, dtype=torch.float64))
     assert len(filled) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_key_scale_is_the_same_before_and_after_rope(arch, oracles, exact):
+    """Issue #8 asks whether to measure the key scale before or after RoPE: RoPE rotates pairs of
+    dimensions, so each head's key norm - and the scale - is the same either way (position 0 is no
+    rotation). Measured on a late layer's exact and perturbed inputs at their real positions."""
+    o = oracles[arch]
+    il = o.n_layer - 1
+    x = exact[arch].layer_inputs[il][-24:]
+    x_pred = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype) * x.std()
+    pos = torch.arange(100, 124)
+    after = key_scale(o, il, x, x_pred, pos)
+    before = key_scale(o, il, x, x_pred, torch.zeros_like(pos))
+    assert torch.allclose(after, before, rtol=1e-12, atol=0)
+    assert (after - 1).abs().max() > 1e-3  # the perturbation changed the key norms
