@@ -608,3 +608,122 @@ def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads:
     finally:
         for llm in llms.values():
             llm.close()
+
+
+def _number_list(value: str, option: str, kind) -> list:
+    try:
+        items = [kind(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"{option} must be comma-separated {'integers' if kind is int else 'numbers'}, not {value!r}")
+    if not items:
+        _fail(f"{option} is empty: give at least one value")
+    return items
+
+
+@app.command("tune")
+def tune_cmd(
+    model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
+    maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`, one per split to search; repeat for several splits. The chosen one gets the tuned defaults."),
+    budget: float = typer.Option(..., "--budget", "-b", help="Largest acceptable novel-token ΔNLL against exact prefill, in nats (e.g. 0.02)."),
+    tails: str = typer.Option("32,64,128", "--tails", help="Tails T to search, comma-separated (each below --length / 4)."),
+    fractions: str = typer.Option("0,0.05,0.1,0.2", "--fractions", help="Exact fractions to search, comma-separated, each in [0, 1]."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of every setting: attention or none."),
+    length: int = typer.Option(2048, "--length", "-l", min=8, help="Prompt length of the held-out documents, in tokens."),
+    docs: int = typer.Option(8, "--docs", min=2, help="Held-out documents (the CIs are bootstrapped over them)."),
+    value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off), the same for every setting."),
+    text: Optional[list[Path]] = typer.Option(None, "--text", help="Held-out text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads."),
+    strict: bool = typer.Option(False, "--strict", help="Feasible only when the 95 % CI's upper bound (not the point estimate) is within the budget."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Measure and choose, but write nothing into the map file."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write pareto.png, tune.json and tune.md into this directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of tables."),
+) -> None:
+    """Find the fastest operating point within a quality budget: for every split (map file), tail T
+    and exact fraction, prefill held-out documents with RidgeFill and exactly, score the novel-token
+    ΔNLL of the same last rows with a bootstrap CI over documents and the measured speedup, and write
+    the fastest setting within --budget into its map file's metadata (ridgefill.tuned.*), where
+    RidgeFill(path) and Llama(..., ridgefill=path) pick it up. Shows every setting and the Pareto
+    front (speedup vs ΔNLL)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from .corpus import read_documents
+    from .gguf_model import GGUFFileError
+    from .mapfile import MapFileError
+    from .tune import NoFeasibleSetting, TuneOptions, tune, write_tune_report
+
+    ts = _number_list(tails, "--tails", int)
+    fs = _number_list(fractions, "--fractions", float)
+    if not budget > 0:
+        _fail(f"--budget must be a positive number of nats, not {budget:g}")
+    if selector not in ("attention", "none"):
+        _fail(f"--selector must be attention or none, not {selector!r}")
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        _fail(f"--out {out_dir} exists and is not a directory")
+    texts = None
+    if text:
+        try:
+            found = read_documents(text)
+        except (OSError, ValueError) as e:
+            _fail(str(e))
+        if not found:
+            _fail("--text: no readable text files")
+        texts = {"text": [(d.name, d.text) for d in found]}
+    options = TuneOptions(tails=tuple(ts), fractions=tuple(fs), selector=selector, length=length, n_docs=docs,
+                          value_rescale=value_rescale, n_threads=threads, strict=strict)
+    failure = None
+    with Progress(TextColumn("tuning: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  console=err) as bar:
+        task = bar.add_task("", total=None)
+        try:
+            res = tune(model, maps, budget, options, texts=texts, write=not dry_run,
+                       progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
+        except NoFeasibleSetting as e:
+            res, failure = e.result, str(e)
+        except (ValueError, MapFileError, GGUFFileError) as e:
+            _fail(str(e))
+    if as_json:
+        d = res.as_dict()
+        d["error"] = failure
+        print(json.dumps(d, indent=2, allow_nan=False))
+    else:
+        _show_tune(res)
+    if failure:
+        _fail(failure)
+    paths = write_tune_report(res, out_dir) if out_dir is not None else []
+    if as_json:
+        return
+    best = res.best
+    out.print(f"[bold green]chosen:[/] {best.label} ({best.selector} selector): novel ΔNLL {best.delta:+.4f} "
+              f"(budget {res.budget:g}), speedup {best.speedup:.2f}x, ceiling {best.ceiling:.2f}x", highlight=False)
+    if res.written:
+        out.print(f"wrote the tuned defaults into {res.written}: RidgeFill(path) and Llama(..., ridgefill=path) use "
+                  f"tail={best.tail}, exact_fraction={best.exact_fraction:g}, selector={best.selector!r} unless given",
+                  highlight=False)
+    else:
+        out.print(f"dry run: {best.maps} was not modified", highlight=False)
+    if paths:
+        out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+def _show_tune(res) -> None:
+    crit = "CI upper bound" if res.options["strict"] else "estimate"
+    t = Table(title=f"{Path(res.model).name}: {len(res.points)} settings (S split, T tail, f exact fraction), "
+                    f"{res.options['length']}-token prompts, {len(res.documents)} documents; ΔNLL vs exact (nats, "
+                    f"95 % CI) on the last {res.scored_rows} rows; speedup measured, 1/r the ceiling; ok: within the "
+                    f"budget {res.budget:g} ({crit})")
+    for col in ("S", "T", "f", "ΔNLL novel", "ΔNLL all", "speedup", "1/r", "ok", "front"):
+        t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", min_width=len(col) if len(col) < 8 else None)
+
+    def ci(d):
+        if not d:
+            return "—"
+        if d["low"] != d["low"]:
+            return f"{d['estimate']:+.4f}"
+        return f"{d['estimate']:+.4f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+
+    for i, p in enumerate(res.points):
+        t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", ci(p.novel),
+                  f"{p.all['estimate']:+.4f}" if p.all else "—", f"{p.speedup:.2f}x",
+                  f"{p.ceiling:.2f}x", "yes" if p.feasible else "no", "●" if p.on_front else "",
+                  style="bold green" if i == res.chosen else None)
+    out.print(t)

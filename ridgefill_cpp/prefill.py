@@ -67,7 +67,13 @@ class RidgeFill:
 
     ``maps``: the map file written by ``ridgefill-gguf fit`` (None: identity fill, x̂ = x_S, which
     needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
-    exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``selector``:
+    exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``tail``,
+    ``exact_fraction`` and ``selector`` left as None resolve to the operating point
+    ``ridgefill-gguf tune`` wrote into the map file (its ``ridgefill.tuned.*`` keys), else to the
+    built-in defaults (64, 0.10, ``"attention"``); an explicit argument always wins. After
+    construction they hold the resolved values; :attr:`tuned` is the map file's tuned operating
+    point (None: it has none) and :attr:`origin` says where each of the three came from
+    (``"argument"``, ``"map file"`` or ``"built-in"``). ``selector``:
     ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
     runs them against the filled cache; costs T more rows), ``"protected"`` (rows whose token is in
@@ -84,9 +90,9 @@ class RidgeFill:
 
     maps: str | os.PathLike | None = None
     split: int | None = None
-    tail: int = 64
-    exact_fraction: float = 0.10
-    selector: str | Sequence[int] = "attention"
+    tail: int | None = None
+    exact_fraction: float | None = None
+    selector: str | Sequence[int] | None = None
     value_rescale: int = 512
     key_rescale: int = 0
     min_prompt: int = 1024
@@ -96,8 +102,38 @@ class RidgeFill:
     protected: str | Sequence[str] = DEFAULT_PROTECTED
     placement: str = "resident"
     positions: tuple[int, ...] = field(default=(), init=False, repr=False)
+    #: the map file's tuned operating point (``ridgefill.tuned.*``), None when it has none
+    tuned: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    #: where ``tail``, ``exact_fraction`` and ``selector`` came from: "argument", "map file" or "built-in"
+    origin: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    #: the built-in defaults of the settings ``ridgefill-gguf tune`` can choose
+    BUILTIN_DEFAULTS = {"tail": 64, "exact_fraction": 0.10, "selector": "attention"}
 
     def __post_init__(self):
+        from .gguf_model import GGUFFileError, read_metadata
+        from .mapfile import ADAPTER_TYPE, tuned_defaults_from_metadata
+
+        tuned = None
+        if self.maps is not None:
+            try:
+                md = read_metadata(self.maps)
+            except (GGUFFileError, OSError):
+                md = {}  # the loader says what is wrong with the file when a Llama attaches it
+            if md.get("adapter.type") == ADAPTER_TYPE:
+                tuned = tuned_defaults_from_metadata(md, self.maps)
+        origin = {}
+        for name, builtin in self.BUILTIN_DEFAULTS.items():
+            if getattr(self, name) is not None:
+                origin[name] = "argument"
+            elif tuned is not None and name in tuned:
+                object.__setattr__(self, name, tuned[name])
+                origin[name] = "map file"
+            else:
+                object.__setattr__(self, name, builtin)
+                origin[name] = "built-in"
+        object.__setattr__(self, "tuned", dict(tuned) if tuned is not None else None)
+        object.__setattr__(self, "origin", origin)
         if isinstance(self.selector, str):
             if self.selector not in SELECTORS:
                 raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions")

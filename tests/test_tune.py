@@ -1,0 +1,361 @@
+"""``ridgefill-gguf tune`` (issue #8, item 4): the automatic operating point, its selection logic,
+the tuned defaults in the map file and their use by ``RidgeFill`` / ``Llama``.
+
+Timing on tiny models is noise: nothing here asserts on a measured time or speedup, only on what
+the selection does with the numbers that were measured."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+import stat
+
+import pytest
+
+from ridgefill_cpp import Llama, RidgeFill, corpus
+from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.gguf_model import read_header, read_metadata
+from ridgefill_cpp.mapfile import (TUNED_PREFIX, MapFileError, compatibility_problems, read_map_file,
+                                   read_tuned_defaults, tuned_defaults_from_metadata, write_map_file,
+                                   write_tuned_defaults)
+from ridgefill_cpp.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, choose, is_feasible,
+                                pareto_front, tune)
+
+OPTS = dict(tails=(8, 16), fractions=(0.0, 0.5), length=256, n_docs=3, n_threads=1, n_boot=300)
+CLI_GRID = ("--tails", "8,16", "--fractions", "0,0.5", "--length", 256, "--docs", 3, "--threads", 1)
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_models, tmp_path_factory):
+    """Map files of the tiny llama model for S = 4 and S = 3 (never modified: tests copy them)."""
+    root = tmp_path_factory.mktemp("tune-maps")
+    out = {}
+    for split in (4, 3):
+        fit = fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"),
+                             FitOptions(n_tokens=3000, ctx=128, split=split, n_threads=1))
+        out[split] = write_map_file(root / f"tiny.S{split}.gguf", fit.maps)
+    return out
+
+
+def _copies(fitted, dst, splits=(4, 3)):
+    out = []
+    for s in splits:
+        p = dst / f"tiny.S{s}.ridgefill.gguf"
+        shutil.copyfile(fitted[s], p)
+        out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_models, fitted, tmp_path_factory):
+    """One tune run over two map files with a budget every setting meets."""
+    root = tmp_path_factory.mktemp("tuned")
+    maps = _copies(fitted, root)
+    before = {str(p): _sha(p) for p in maps}
+    model_sha = _sha(tiny_models["llama"])
+    res = tune(tiny_models["llama"], maps, 10.0, TuneOptions(**OPTS))
+    return res, maps, before, model_sha
+
+
+# ------------------------------------------------------------------------------------------------
+# pure selection logic
+
+
+def test_pareto_front_on_hand_made_points():
+    # (speedup, ΔNLL): faster is better, lower ΔNLL is better
+    pts = [(1.2, 0.010),   # 0: front
+           (1.5, 0.030),   # 1: front
+           (1.1, 0.020),   # 2: dominated by 0 (slower and worse)
+           (1.5, 0.040),   # 3: dominated by 1 (as fast, worse)
+           (1.0, 0.010),   # 4: dominated by 0 (as good, slower)
+           (1.8, 0.100),   # 5: front (fastest)
+           (1.2, 0.010),   # 6: equal to 0: neither dominates, both on the front
+           (0.9, -0.01),   # 7: front (best ΔNLL)
+           (float("nan"), 0.0),  # 8: never on the front
+           (2.0, float("nan"))]  # 9: never on the front
+    assert pareto_front(pts) == [7, 0, 6, 1, 5]
+    assert pareto_front([]) == []
+    assert pareto_front([(1.0, 0.5)]) == [0]
+
+
+def _pt(speedup, delta, ceiling=1.5, high=None, label=0) -> TunePoint:
+    p = TunePoint("m", 3, 8 + label, 0.1, "attention", speedup=speedup, ceiling=ceiling)
+    if delta is not None:
+        p.novel = {"estimate": delta, "low": delta - 0.01, "high": delta + 0.01 if high is None else high, "n": 3}
+    return p
+
+
+def test_feasibility_and_choice():
+    assert is_feasible(_pt(1.0, 0.02), 0.02) and not is_feasible(_pt(1.0, 0.021), 0.02)
+    assert not is_feasible(_pt(1.0, 0.01, high=0.03), 0.02, strict=True)
+    assert is_feasible(_pt(1.0, 0.01, high=0.02), 0.02, strict=True)
+    assert not is_feasible(_pt(1.0, None), 1.0)  # no novel token scored
+    nan_ci = _pt(1.0, 0.0)
+    nan_ci.novel["high"] = float("nan")
+    assert not is_feasible(nan_ci, 1.0, strict=True) and is_feasible(nan_ci, 1.0)
+
+    def chosen(points, budget=0.05):
+        for p in points:
+            p.feasible = is_feasible(p, budget)
+        return choose(points)
+
+    # the fastest feasible one, not the fastest
+    assert chosen([_pt(1.3, 0.01), _pt(1.9, 0.2), _pt(1.6, 0.04)]) == 2
+    # speed tie: higher ceiling, then lower ΔNLL, then grid order
+    assert chosen([_pt(1.5, 0.01, ceiling=1.4), _pt(1.5, 0.03, ceiling=1.6)]) == 1
+    assert chosen([_pt(1.5, 0.03), _pt(1.5, 0.01)]) == 1
+    assert chosen([_pt(1.5, 0.01, label=1), _pt(1.5, 0.01, label=2)]) == 0
+    assert chosen([_pt(1.5, 0.2), _pt(1.2, 0.1)]) is None
+
+
+def test_grid_checks():
+    assert check_grid([16, 8, 8], [0.1, 0, 0.1], 256) == ((8, 16), (0.0, 0.1))
+    for tails, fractions, length, msg in [([], [0.1], 256, "no tails"), ([8], [], 256, "no exact fractions"),
+                                          ([0], [0.1], 256, "tails must be integers >= 1"),
+                                          ([8.5], [0.1], 256, "tails must be integers"),
+                                          ([8], [1.5], 256, r"exact fraction 1\.5 outside \[0, 1\]"),
+                                          ([8], [-0.1], 256, "outside"),
+                                          ([8, 64], [0.1], 256, "tail 64 is not below length/4")]:
+        with pytest.raises(ValueError, match=msg):
+            check_grid(tails, fractions, length)
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_tune_chooses_the_fastest_feasible_setting(tuned, tiny_models):
+    res, maps, before, model_sha = tuned
+    assert res.splits == [4, 3] and res.scored_rows == 8
+    assert len(res.points) == 2 * 2 * 2 and len(res.documents) == 3 and len(res.exact_times) == 3
+    assert {(p.split, p.tail, p.exact_fraction) for p in res.points} == {
+        (s, t, f) for s in (4, 3) for t in (8, 16) for f in (0.0, 0.5)}
+    for p in res.points:
+        assert len(p.times) == 3 and len(p.docs) == 3
+        assert p.novel["n"] == 3 and p.novel["low"] <= p.novel["estimate"] <= p.novel["high"]
+        assert p.all["n"] == 3 and p.tokens == 3 * res.scored_rows
+        assert p.speedup > 0 and math.isfinite(p.speedup) and p.ceiling >= 1.0
+        assert p.feasible == is_feasible(p, res.budget)
+        # the same positions for every setting: as many scored (and novel) tokens
+        assert p.novel_tokens == res.points[0].novel_tokens == sum(d["novel_tokens"] for d in res.documents)
+    # exact fraction 0 selects no prefix row, 0.5 half of the prefix
+    assert all((p.n_exact == 0) == (p.exact_fraction == 0.0) for p in res.points)
+
+    # the choice, recomputed from the returned numbers
+    feasible = [i for i, p in enumerate(res.points) if p.feasible]
+    assert feasible and res.chosen in feasible
+    best = max(res.points[i].speedup for i in feasible)
+    assert res.best.speedup == best
+    assert res.chosen == choose(res.points)
+    # the front, recomputed
+    front = pareto_front([(p.speedup, p.delta) for p in res.points])
+    assert res.front == front and front
+    assert [i for i, p in enumerate(res.points) if p.on_front] == sorted(front)
+    for i in front:  # nobody dominates a front point
+        a = res.points[i]
+        assert not any(b.speedup >= a.speedup and b.delta <= a.delta and (b.speedup > a.speedup or b.delta < a.delta)
+                       for b in res.points)
+    # with the budget this large, the fastest setting of all is chosen, and it is on the front
+    assert res.chosen in front and res.best.speedup == max(p.speedup for p in res.points)
+
+    # written into the chosen map file only; the model and the other map file untouched
+    chosen_path = res.best.maps
+    assert res.written == str(maps[res.splits.index(res.best.split)].resolve())
+    for p in maps:
+        assert (_sha(p) == before[str(p)]) == (str(p) != chosen_path)
+    assert _sha(tiny_models["llama"]) == model_sha
+    d = json.loads(json.dumps(res.as_dict(), allow_nan=False))
+    assert d["chosen"] == res.chosen and d["points"][res.chosen]["label"] == res.best.label
+
+
+def test_tuned_metadata_round_trip_and_the_file_still_loads(tuned, tiny_models, fitted):
+    res, maps, _, _ = tuned
+    path = res.written
+    t = read_tuned_defaults(path)
+    best = res.best
+    assert t["tail"] == best.tail and t["exact_fraction"] == best.exact_fraction and t["selector"] == "attention"
+    assert t["budget"] == 10.0 and t["criterion"] == "estimate" and t["n_docs"] == 3 and t["length"] == 256
+    assert t["delta_nll_novel"] == pytest.approx(best.delta) and t["speedup"] == pytest.approx(best.speedup)
+    assert t["ceiling"] == pytest.approx(best.ceiling) and t["scored_rows"] == 8
+    assert "evaluation split" in t["source"] and t["tool_version"] and t["date"].startswith("20")
+    # every other key and every tensor unchanged
+    orig_md, orig_t = read_header(fitted[best.split])
+    new_md, new_t = read_header(path)
+    assert {k: v for k, v in new_md.items() if not k.startswith(TUNED_PREFIX)} == orig_md
+    raw0, raw1 = open(fitted[best.split], "rb").read(), open(path, "rb").read()
+    assert [(x.name, x.shape, x.ggml_type) for x in orig_t] == [(x.name, x.shape, x.ggml_type) for x in new_t]
+    for x, y in zip(orig_t, new_t):
+        assert raw0[x.offset:x.offset + x.n_bytes] == raw1[y.offset:y.offset + y.n_bytes]
+    # it loads everywhere: the reader, the compatibility check, the native loader
+    assert read_map_file(path).meta.split_layer == best.split
+    assert compatibility_problems(read_map_file(path).meta, tiny_models["llama"]) == []
+    llm = Llama(str(tiny_models["llama"]), ridgefill=path, n_ctx=512, verbose=False)
+    try:
+        assert llm.ridgefill.tail == best.tail and llm.ridgefill.origin["tail"] == "map file"
+    finally:
+        llm.close()
+
+
+def test_ridgefill_uses_tuned_defaults_and_arguments_win(tiny_models, fitted, tmp_path):
+    (path,) = _copies(fitted, tmp_path, splits=(3,))
+    rf = RidgeFill(path)
+    assert (rf.tail, rf.exact_fraction, rf.selector) == (64, 0.10, "attention") and rf.tuned is None
+    assert rf.origin == {"tail": "built-in", "exact_fraction": "built-in", "selector": "built-in"}
+    assert read_tuned_defaults(path) is None
+    write_tuned_defaults(path, {"tail": 12, "exact_fraction": 0.25, "selector": "none", "budget": 0.02})
+    rf = RidgeFill(path, min_prompt=0)
+    assert (rf.tail, rf.exact_fraction, rf.selector) == (12, 0.25, "none")
+    assert rf.tuned["budget"] == 0.02 and set(rf.origin.values()) == {"map file"}
+    rf2 = RidgeFill(path, tail=5, selector=[3, 7], min_prompt=0)
+    assert (rf2.tail, rf2.exact_fraction, rf2.selector, rf2.positions) == (5, 0.25, "positions", (3, 7))
+    assert rf2.origin == {"tail": "argument", "exact_fraction": "map file", "selector": "argument"}
+    ident = RidgeFill.identity(3)
+    assert (ident.tail, ident.exact_fraction, ident.selector, ident.tuned) == (64, 0.10, "attention", None)
+    # the existing validation runs on the resolved values
+    with pytest.raises(ValueError, match="at least the last prompt row must be exact"):
+        RidgeFill(path, tail=0)
+
+    from conftest import evaluation_tokens
+    prompt = evaluation_tokens(tiny_models["llama"], 200)
+    # selector none (from the file): no prefix row exact; attention at the file's 0.25: some; fraction 0: none
+    for kw, tail, exact in [({}, 12, False), (dict(selector="attention"), 12, True),
+                            (dict(tail=20, exact_fraction=0.0, selector="attention"), 20, False)]:
+        llm = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill(path, min_prompt=0, **kw), n_ctx=512,
+                    verbose=False)
+        try:
+            llm.eval(prompt)
+            st = llm.ridgefill_stats
+            assert st["tail"] == tail and st["n_prompt"] == 200
+            assert (st["n_exact"] > 0) == exact, (kw, st["n_exact"])
+        finally:
+            llm.close()
+    # a path: Llama(..., ridgefill=path) uses them too
+    llm = Llama(str(tiny_models["llama"]), ridgefill=str(path), n_ctx=512, verbose=False)
+    try:
+        assert (llm.ridgefill.tail, llm.ridgefill.exact_fraction, llm.ridgefill.selector) == (12, 0.25, "none")
+    finally:
+        llm.close()
+
+
+def test_write_tuned_defaults_replaces_is_atomic_and_refuses(tiny_models, fitted, tmp_path, monkeypatch):
+    import gguf
+
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    path.chmod(0o640)
+    write_tuned_defaults(path, {"tail": 16, "exact_fraction": 0.1, "selector": "attention", "budget": 0.02,
+                                "source": "first"})
+    write_tuned_defaults(path, {"tail": 32, "exact_fraction": 0.05, "selector": "none"})
+    assert read_tuned_defaults(path) == {"tail": 32, "exact_fraction": 0.05, "selector": "none"}  # replaced, not merged
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    md = read_metadata(path)
+    assert sum(k.startswith(TUNED_PREFIX) for k in md) == 3
+    # a failure half-way leaves the original as it was, and no temporary file
+    before = path.read_bytes()
+
+    def boom(self, *a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_tuned_defaults(path, {"tail": 8, "exact_fraction": 0.0, "selector": "attention"})
+    monkeypatch.undo()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    # refusals: nothing written
+    model_sha = _sha(tiny_models["llama"])
+    with pytest.raises(MapFileError, match="not a RidgeFill map file"):
+        write_tuned_defaults(tiny_models["llama"], {"tail": 8, "exact_fraction": 0.0, "selector": "attention"})
+    assert _sha(tiny_models["llama"]) == model_sha
+    for bad, msg in [({"tail": 8, "exact_fraction": 0.0}, "tuned defaults without ridgefill.tuned.selector"),
+                     ({"tail": 8, "exact_fraction": 2.0, "selector": "none"}, "outside"),
+                     ({"tail": 0, "exact_fraction": 0.0, "selector": "none"}, "must be >= 1"),
+                     ({"tail": 8, "exact_fraction": 0.0, "selector": "none", "colour": "red"}, "unknown tuned keys")]:
+        with pytest.raises((ValueError, MapFileError), match=msg):
+            write_tuned_defaults(path, bad)
+    assert path.read_bytes() == before
+    # malformed tuned keys in a file's metadata are refused with their name
+    with pytest.raises(MapFileError, match="ridgefill.tuned.tail = 'x' is not a uint32"):
+        tuned_defaults_from_metadata({TUNED_PREFIX + "tail": "x", TUNED_PREFIX + "exact_fraction": 0.1,
+                                      TUNED_PREFIX + "selector": "none"})
+    with pytest.raises(MapFileError, match="unknown tuned key ridgefill.tuned.speed"):
+        tuned_defaults_from_metadata({TUNED_PREFIX + "speed": 2.0})
+
+
+def test_dry_run_and_an_infeasible_budget_write_nothing(tiny_models, fitted, tmp_path):
+    maps = _copies(fitted, tmp_path)
+    before = [p.read_bytes() for p in maps]
+    res = tune(tiny_models["llama"], maps, 10.0, TuneOptions(**OPTS), write=False)
+    assert res.chosen is not None and res.written is None and res.defaults["tail"] == res.best.tail
+    assert [p.read_bytes() for p in maps] == before
+    # S = 4 fills rows of every document badly enough that no CI upper bound is within 1e-6 nats
+    with pytest.raises(NoFeasibleSetting, match="no setting is within the budget of 1e-06 nats: the best novel-token "
+                                                r"ΔNLL CI upper bound reached is \+") as e:
+        tune(tiny_models["llama"], maps[:1], 1e-6, TuneOptions(**OPTS, strict=True))
+    best = min(p.novel["high"] for p in e.value.result.points)
+    assert f"{best:+.4f}" in str(e.value) and "nothing was written" in str(e.value)
+    assert e.value.result.chosen is None and all(not p.feasible for p in e.value.result.points)
+    assert [p.read_bytes() for p in maps] == before
+
+
+def test_cli_tune_writes_the_plot_json_and_report(tiny_models, fitted, cli, tmp_path):
+    maps = _copies(fitted, tmp_path)
+    out = tmp_path / "out"
+    model_sha = _sha(tiny_models["llama"])
+    r = cli("tune", tiny_models["llama"], "--maps", maps[0], "--maps", maps[1], "--budget", 10, *CLI_GRID, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "chosen:" in r.output and "wrote the tuned defaults into" in r.output
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    d = json.loads((out / "tune.json").read_text())
+    assert d["chosen"] is not None and len(d["points"]) == 8 and d["budget"] == 10.0
+    best = d["points"][d["chosen"]]
+    assert d["written"] == best["maps"] and best["feasible"] and best["on_front"]
+    t = read_tuned_defaults(best["maps"])
+    assert (t["tail"], t["exact_fraction"]) == (best["tail"], best["exact_fraction"])
+    md = (out / "tune.md").read_text()
+    assert "**Chosen: " + best["label"] in md and "](pareto.png)" in md and "| split | T | fraction |" in md
+    assert not list(out.glob(".*.tmp")) and _sha(tiny_models["llama"]) == model_sha
+
+    # --dry-run --json: the result on stdout, nothing written
+    before = [p.read_bytes() for p in maps]
+    r = cli("tune", tiny_models["llama"], "--maps", maps[0], "--maps", maps[1], "--budget", 10, *CLI_GRID,
+            "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["written"] is None and d["defaults"]["tail"] == d["points"][d["chosen"]]["tail"] and d["error"] is None
+    assert [p.read_bytes() for p in maps] == before
+
+
+def test_cli_tune_bad_input(tiny_models, fitted, cli, tmp_path):
+    maps = _copies(fitted, tmp_path)
+    before = [p.read_bytes() for p in maps]
+    out = tmp_path / "out"
+    llama = tiny_models["llama"]
+    cases = [
+        (("--budget", 0), "--budget must be a positive number"),
+        (("--budget", -0.5), "--budget must be a positive number"),
+        (("--budget", 0.1, "--tails", ""), "--tails is empty"),
+        (("--budget", 0.1, "--tails", "8,x"), "--tails must be comma-separated integers"),
+        (("--budget", 0.1, "--fractions", "0,1.5"), r"exact fraction 1.5 outside \[0, 1\]"),
+        (("--budget", 0.1, "--tails", "8,64", "--length", 256), "tail 64 is not below length/4"),
+        (("--budget", 0.1, "--selector", "random"), "--selector must be attention or none"),
+        (("--budget", 0.1, "--length", 4096, "--tails", "8"), "longer than the model's context"),
+    ]
+    for args, msg in cases:
+        r = cli("tune", llama, "--maps", maps[0], *args, "--out", out)
+        assert r.exit_code == 1 and re.search(msg, " ".join(r.output.split())), (args, r.output)
+    r = cli("tune", tiny_models["qwen3"], "--maps", maps[0], "--budget", 0.1, "--out", out)
+    assert r.exit_code == 1 and "do not fit" in r.output and "architecture" in r.output
+    r = cli("tune", llama, "--maps", maps[0], "--maps", fitted[4], "--budget", 0.1, "--out", out)
+    assert r.exit_code == 1 and "two map files for the same split (S = 4)" in r.output
+    r = cli("tune", llama, "--maps", llama, "--budget", 0.1, "--out", out)
+    assert r.exit_code == 1 and "not a RidgeFill map file" in r.output
+    # no setting within the budget: the table, then the error; nothing written
+    r = cli("tune", llama, "--maps", maps[0], "--budget", 1e-6, "--strict", *CLI_GRID, "--out", out)
+    assert r.exit_code == 1 and "no setting is within the budget" in r.output and "budget 1e-06 (CI upper bound)" in r.output
+    assert [p.read_bytes() for p in maps] == before and not out.exists()
