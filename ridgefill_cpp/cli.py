@@ -163,13 +163,15 @@ def _quality_table(meta, title: str) -> Table:
 def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
     from dataclasses import asdict
 
-    from .mapfile import map_tensor_bytes
+    from .mapfile import map_tensor_bytes, read_tuned_defaults
 
     n_bytes = map_tensor_bytes(path)
+    tuned = read_tuned_defaults(path)
     if as_json:
         d = asdict(meta)
         d["input_norm"] = meta.input_norm
         d["maps_bytes"] = n_bytes
+        d["tuned"] = tuned
         if problems is not None:
             d["fits_model"] = {"model": str(model), "ok": not problems, "problems": problems}
         print(json.dumps(d, indent=2))
@@ -192,6 +194,12 @@ def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
     ]:
         t.add_row(k, v)
+    if tuned:
+        measured = ", ".join(f"{label} {tuned[key]:{fmt}}" for key, label, fmt in
+                             (("delta_nll_novel", "novel ΔNLL", "+.4f"), ("speedup", "speed", ".2f"),
+                              ("budget", "budget", "g")) if key in tuned)
+        t.add_row("tuned defaults", f"T = {tuned['tail']}, exact fraction {tuned['exact_fraction']:g}, selector "
+                                    f"{tuned['selector']} (ridgefill-gguf tune: {measured})")
     out.print(t)
     out.print(_quality_table(meta, "held-out fit quality (relative error of the direction the layer sees)"))
     if problems is not None:
@@ -627,7 +635,7 @@ def tune_cmd(
     budget: float = typer.Option(..., "--budget", "-b", help="Largest acceptable novel-token ΔNLL against exact prefill, in nats (e.g. 0.02)."),
     tails: str = typer.Option("32,64,128", "--tails", help="Tails T to search, comma-separated (each below --length / 4)."),
     fractions: str = typer.Option("0,0.05,0.1,0.2", "--fractions", help="Exact fractions to search, comma-separated, each in [0, 1]."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of every setting: attention or none."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of every setting: attention, probe, protected (the default token classes) or none."),
     length: int = typer.Option(2048, "--length", "-l", min=8, help="Prompt length of the held-out documents, in tokens."),
     docs: int = typer.Option(8, "--docs", min=2, help="Held-out documents (the CIs are bootstrapped over them)."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off), the same for every setting."),

@@ -236,6 +236,14 @@ def test_ridgefill_uses_tuned_defaults_and_arguments_win(tiny_models, fitted, tm
             assert (st["n_exact"] > 0) == exact, (kw, st["n_exact"])
         finally:
             llm.close()
+    # info shows them
+    from ridgefill_cpp.cli import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["info", str(path)])
+    assert r.exit_code == 0 and "tuned defaults" in r.output and "selector none" in r.output, r.output
+    r = CliRunner().invoke(app, ["info", "--json", str(path)])
+    assert json.loads(r.output)["tuned"]["tail"] == 12
     # a path: Llama(..., ridgefill=path) uses them too
     llm = Llama(str(tiny_models["llama"]), ridgefill=str(path), n_ctx=512, verbose=False)
     try:
