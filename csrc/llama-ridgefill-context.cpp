@@ -185,7 +185,8 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (params.selector < LLAMA_RIDGEFILL_SELECTOR_NONE || params.selector > LLAMA_RIDGEFILL_SELECTOR_PROTECTED) {
         return format("unknown selector %d", params.selector);
     }
-    const int32_t all_classes = LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE | LLAMA_RIDGEFILL_CLASS_LINE_START;
+    const int32_t all_classes = LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE | LLAMA_RIDGEFILL_CLASS_LINE_START |
+                                LLAMA_RIDGEFILL_CLASS_SINK;
     if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROTECTED &&
         (params.protected_classes == 0 || (params.protected_classes & ~all_classes) != 0)) {
         return format("protected selector: token classes 0x%x must be a non-empty set of llama_ridgefill_token_class bits",
@@ -445,7 +446,8 @@ bool llama_ridgefill_context::reserve() {
         } else {
             // a chunk of exact rows through the last layer, with two fill steps and the value scale
             // (probe selector: from the last full-attention layer, whose graph also scores)
-            const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) cparams.n_ubatch;
+            // (fill steps of the largest size a prompt of n_ctx rows needs)
+            const int32_t n_chunk = fill_chunk((int32_t) cparams.n_ctx);
             const int32_t n_f = 2*n_chunk;
             int32_t il_res = n_layer - 1;
             if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE) {
@@ -505,6 +507,13 @@ bool llama_ridgefill_context::reserve() {
     return ok;
 }
 
+int32_t llama_ridgefill_context::fill_chunk(int32_t n_f) const {
+    const uint32_t n_ubatch  = lctx.get_cparams().n_ubatch;
+    const int32_t  max_steps = std::max<int32_t>(1, ((int32_t) lctx.graph_max_nodes(n_ubatch)/2 - 256)/40);
+    const int32_t  n_chunk   = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
+    return std::max({ 1, n_chunk, (n_f + max_steps - 1)/max_steps });
+}
+
 std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells, int32_t n_prefix) {
     last_scores.clear();
     if (p.exact_set) {
@@ -539,8 +548,9 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
             } break;
         case LLAMA_RIDGEFILL_SELECTOR_PROTECTED:
             {
-                // the prefix rows whose token is in a protected class, at most k of them: digits
-                // first, then by how often the token occurs in the prompt (rarest first), then position
+                // the prefix rows in a protected class, at most k of them: sink rows first, then
+                // digits, then once-in-the-prompt tokens, then line starts; within a class rarer
+                // tokens (fewer occurrences in the prompt) first, then the earlier row
                 const llama_vocab & vocab = model.vocab;
                 const int32_t N = (int32_t) p.tokens.size();
                 std::unordered_map<llama_token, int32_t> count;
@@ -549,30 +559,38 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
                         count[t]++;
                     }
                 }
+                auto known = [&](llama_token t) {
+                    return t != LLAMA_TOKEN_NULL && t >= 0 && t < (llama_token) vocab.n_tokens();
+                };
                 struct cand { int32_t rank; int32_t count; int32_t j; };
                 std::vector<cand> cands;
                 for (int32_t j = 0; j < std::min(n_prefix, N); ++j) {
                     const llama_token t = p.tokens[j];
-                    if (t == LLAMA_TOKEN_NULL || t < 0 || t >= (llama_token) vocab.n_tokens() || vocab.is_control(t)) {
-                        continue;
-                    }
-                    const std::string & piece = vocab.token_to_piece(t);
                     int32_t cls = 0;
-                    if (std::any_of(piece.begin(), piece.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-                        cls |= LLAMA_RIDGEFILL_CLASS_DIGIT;
+                    if (p.pos0 + j < LLAMA_RIDGEFILL_N_SINK) {
+                        cls |= LLAMA_RIDGEFILL_CLASS_SINK;
                     }
-                    if (count[t] == 1) {
-                        cls |= LLAMA_RIDGEFILL_CLASS_RARE;
-                    }
-                    if (j > 0 && p.tokens[j - 1] != LLAMA_TOKEN_NULL) {
-                        const std::string & prev = vocab.token_to_piece(p.tokens[j - 1]);
-                        if (!prev.empty() && prev.back() == '\n') {
-                            cls |= LLAMA_RIDGEFILL_CLASS_LINE_START;
+                    if (known(t) && !vocab.is_control(t)) {
+                        const std::string & piece = vocab.token_to_piece(t);
+                        if (std::any_of(piece.begin(), piece.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+                            cls |= LLAMA_RIDGEFILL_CLASS_DIGIT;
+                        }
+                        if (count[t] == 1) {
+                            cls |= LLAMA_RIDGEFILL_CLASS_RARE;
+                        }
+                        if (j > 0 && known(p.tokens[j - 1])) {
+                            const std::string & prev = vocab.token_to_piece(p.tokens[j - 1]);
+                            if (!prev.empty() && prev.back() == '\n') {
+                                cls |= LLAMA_RIDGEFILL_CLASS_LINE_START;
+                            }
                         }
                     }
                     cls &= params.protected_classes;
                     if (cls) {
-                        cands.push_back({ (cls & LLAMA_RIDGEFILL_CLASS_DIGIT) ? 0 : (cls & LLAMA_RIDGEFILL_CLASS_RARE) ? 1 : 2, count[t], j });
+                        const int32_t rank = (cls & LLAMA_RIDGEFILL_CLASS_SINK)  ? 0 :
+                                             (cls & LLAMA_RIDGEFILL_CLASS_DIGIT) ? 1 :
+                                             (cls & LLAMA_RIDGEFILL_CLASS_RARE)  ? 2 : 3;
+                        cands.push_back({ rank, known(t) ? count[t] : 0, j });
                     }
                 }
                 std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
@@ -671,11 +689,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
                 fill_vidx(caches.swa, cur.f_cells_swa, cur.f_vidx_swa);
             }
         }
-        // filled rows per fill step: n_ubatch (or the caller's), in at most a node budget's worth of steps
-        const int32_t max_steps = std::max<int32_t>(1, ((int32_t) max_nodes/2 - 256)/40);
-        int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
-        n_chunk = std::max(n_chunk, (n_f + max_steps - 1)/max_steps);
-        cur.n_chunk = std::max(1, n_chunk);
+        cur.n_chunk = fill_chunk(n_f);
     };
 
     const int32_t n_scale_rows = std::min(params.n_rescale, T);
@@ -975,7 +989,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.n_fill_chunk   =*/ 0,
         /*.splice         =*/ LLAMA_RIDGEFILL_SPLICE_NONE,
         /*.n_key_rescale  =*/ 0,
-        /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE,
+        /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_SINK | LLAMA_RIDGEFILL_CLASS_DIGIT,
     };
     return p;
 }

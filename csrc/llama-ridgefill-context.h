@@ -79,6 +79,10 @@ struct llama_ridgefill_context {
     // probe's in the probe pass of finish(); the protected selector reads the rows' tokens
     std::vector<llama_pos> select_exact(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells, int32_t n_prefix);
 
+    // filled rows per fill step for n_f filled rows: n_ubatch (or params.n_fill_chunk), larger when
+    // the steps would not fit the graph's node budget
+    int32_t fill_chunk(int32_t n_f) const;
+
     // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
     // selector's query rows) and of the late phase (a chunk of exact rows, a fill step); false on failure
     bool reserve();

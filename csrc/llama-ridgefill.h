@@ -83,13 +83,17 @@ extern "C" {
         LLAMA_RIDGEFILL_SELECTOR_PROTECTED = 3, // rows of a token class (protected_classes), no attention
     };
 
-    // token classes of the protected selector (a bit mask); a row is protected when its token is in
-    // any of the classes. Rows of a prompt given as embeddings have no token and are never protected.
+    // row classes of the protected selector (a bit mask); a row is protected when it is in any of
+    // the classes. Rows of a prompt given as embeddings have no token: only the sink class applies.
     enum llama_ridgefill_token_class {
         LLAMA_RIDGEFILL_CLASS_DIGIT      = 1, // the token's text has a decimal digit
         LLAMA_RIDGEFILL_CLASS_RARE       = 2, // the token occurs once in the prompt
         LLAMA_RIDGEFILL_CLASS_LINE_START = 4, // the token follows a newline
+        LLAMA_RIDGEFILL_CLASS_SINK       = 8, // the first LLAMA_RIDGEFILL_N_SINK positions of the sequence
     };
+
+    // the attention-sink rows of the sink class: positions 0 .. LLAMA_RIDGEFILL_N_SINK-1
+    #define LLAMA_RIDGEFILL_N_SINK 4
 
     // diagnostics (the splice test of DESIGN §9): filled rows keep the K and/or V already in their
     // cells instead of writing the fill's. With a cache holding the exact prefill of the same prompt in
@@ -117,7 +121,8 @@ extern "C" {
         int32_t n_key_rescale;  // c_K: tail rows a per-head key scale is measured on, applied to the
                                 //   filled K like the value scale to V (0: off, the default)
         int32_t protected_classes; // protected selector: enum llama_ridgefill_token_class bits; at most
-                                   //   ceil(exact_fraction * prefix) rows, digits first, then rarer tokens
+                                   //   ceil(exact_fraction * prefix) rows: sink rows first, then digits,
+                                   //   then rarer tokens, then line starts
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);

@@ -35,15 +35,16 @@ SELECTORS = {
     "none": N.LLAMA_RIDGEFILL_SELECTOR_NONE,
 }
 
-#: token classes of the ``protected`` selector
+#: row classes of the ``protected`` selector
 TOKEN_CLASSES = {
+    "sink": N.LLAMA_RIDGEFILL_CLASS_SINK,
     "digits": N.LLAMA_RIDGEFILL_CLASS_DIGIT,
     "rare": N.LLAMA_RIDGEFILL_CLASS_RARE,
     "line_start": N.LLAMA_RIDGEFILL_CLASS_LINE_START,
 }
 
 #: the default protected classes (chosen from the eval: see README, "Selectors")
-DEFAULT_PROTECTED = ("digits", "rare")
+DEFAULT_PROTECTED = ("sink", "digits")
 
 PLACEMENTS = ("resident", "host")
 
@@ -76,9 +77,10 @@ class RidgeFill:
     (``"argument"``, ``"map file"`` or ``"built-in"``). ``selector``:
     ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
-    runs them against the filled cache; costs T more rows), ``"protected"`` (rows whose token is in
-    ``protected``: ``"digits"``, ``"rare"`` = once in the prompt, ``"line_start"``; no attention
-    pass), ``"none"``, or a list of absolute positions that stay exact.
+    runs them against the filled cache; costs T more rows), ``"protected"`` (rows in the classes of
+    ``protected``, default ``("sink", "digits")``: ``"sink"`` = positions 0-3, ``"digits"``, ``"rare"``
+    = once in the prompt, ``"line_start"``; no attention pass), ``"none"``, or a list of absolute
+    positions that stay exact.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
     ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the

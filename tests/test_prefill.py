@@ -681,7 +681,7 @@ def _vocab(path):
 
 
 @pytest.mark.parametrize("classes", [("digits",), ("rare",), ("line_start",), ("digits", "rare"),
-                                     ("digits", "rare", "line_start")])
+                                     ("digits", "rare", "line_start"), ("sink",), ("sink", "digits")])
 def test_protected_selector_matches_the_oracle(classes, tiny_models, oracles, prompt, map_files):
     """The protected rows (token classes from the GGUF vocabulary, capped at the exact fraction)
     are the oracle's; the prefill then matches fill_forward with those rows exact."""

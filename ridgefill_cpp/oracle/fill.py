@@ -371,8 +371,9 @@ def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, map
 # ------------------------------------------------------------------------------------------------
 # the protected selector (DESIGN §5)
 
-#: token classes of the `protected` selector (the C enum's bits)
-CLASS_DIGIT, CLASS_RARE, CLASS_LINE_START = 1, 2, 4
+#: row classes of the `protected` selector (the C enum's bits) and the sink rows
+CLASS_DIGIT, CLASS_RARE, CLASS_LINE_START, CLASS_SINK = 1, 2, 4, 8
+N_SINK = 4
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -406,12 +407,13 @@ def piece_texts(tokens_meta: Sequence[str], tokenizer_model: str) -> list[str]:
 
 
 def select_protected_rows(tokens: Sequence[int], texts: Sequence[str], control: Sequence[bool], prefix_len: int,
-                          fraction: float = DEFAULT_FRACTION, classes: int = CLASS_DIGIT | CLASS_RARE) -> list[int]:
-    """The `protected` selector: the prefix rows whose token is in one of `classes` (digits: the
-    token's text has a decimal digit; rare: the token occurs once in the prompt; line start: the
-    previous token's text ends with a newline), control tokens never, at most
-    ceil(fraction · prefix_len) of them: digit rows first, then rows of rarer tokens (fewer
-    occurrences in the prompt), then earlier rows. `texts`/`control`: per vocabulary entry."""
+                          fraction: float = DEFAULT_FRACTION, classes: int = CLASS_SINK | CLASS_DIGIT) -> list[int]:
+    """The `protected` selector: the prefix rows in one of `classes` (sink: the first N_SINK
+    positions; digits: the token's text has a decimal digit; rare: the token occurs once in the
+    prompt; line start: the previous token's text ends with a newline; control tokens are in no
+    token class), at most ceil(fraction · prefix_len) of them: sink rows first, then digits, then
+    rare, then line starts; within a class rarer tokens (fewer occurrences in the prompt) first,
+    then earlier rows. `texts`/`control`: per vocabulary entry; positions start at 0."""
     tokens = [int(t) for t in tokens]
     count: dict[int, int] = {}
     for t in tokens:
@@ -419,18 +421,17 @@ def select_protected_rows(tokens: Sequence[int], texts: Sequence[str], control: 
     cands = []
     for j in range(min(prefix_len, len(tokens))):
         t = tokens[j]
-        if control[t]:
-            continue
-        cls = 0
-        if any(c in "0123456789" for c in texts[t]):
-            cls |= CLASS_DIGIT
-        if count[t] == 1:
-            cls |= CLASS_RARE
-        if j > 0 and texts[tokens[j - 1]].endswith("\n"):
-            cls |= CLASS_LINE_START
+        cls = CLASS_SINK if j < N_SINK else 0
+        if not control[t]:
+            if any(c in "0123456789" for c in texts[t]):
+                cls |= CLASS_DIGIT
+            if count[t] == 1:
+                cls |= CLASS_RARE
+            if j > 0 and texts[tokens[j - 1]].endswith("\n"):
+                cls |= CLASS_LINE_START
         cls &= classes
         if cls:
-            rank = 0 if cls & CLASS_DIGIT else 1 if cls & CLASS_RARE else 2
+            rank = next(r for r, c in enumerate((CLASS_SINK, CLASS_DIGIT, CLASS_RARE, CLASS_LINE_START)) if cls & c)
             cands.append((rank, count[t], j))
     cands.sort()
     return sorted(j for _, _, j in cands[:n_selected(prefix_len, fraction)])
