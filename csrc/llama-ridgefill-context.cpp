@@ -182,12 +182,14 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (!std::isfinite(params.exact_fraction) || params.exact_fraction < 0.0 || params.exact_fraction > 1.0) {
         return format("exact_fraction %g outside [0, 1]", params.exact_fraction);
     }
-    if (params.selector < LLAMA_RIDGEFILL_SELECTOR_NONE || params.selector > LLAMA_RIDGEFILL_SELECTOR_PROTECTED) {
+    if (params.selector < LLAMA_RIDGEFILL_SELECTOR_NONE || params.selector > LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED) {
         return format("unknown selector %d", params.selector);
     }
     const int32_t all_classes = LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE | LLAMA_RIDGEFILL_CLASS_LINE_START |
                                 LLAMA_RIDGEFILL_CLASS_SINK;
-    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROTECTED &&
+    const bool uses_classes = params.selector == LLAMA_RIDGEFILL_SELECTOR_PROTECTED ||
+                              params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED;
+    if (uses_classes &&
         (params.protected_classes == 0 || (params.protected_classes & ~all_classes) != 0)) {
         return format("protected selector: token classes 0x%x must be a non-empty set of llama_ridgefill_token_class bits",
                 params.protected_classes);
@@ -217,7 +219,8 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (params.splice < LLAMA_RIDGEFILL_SPLICE_NONE || params.splice > LLAMA_RIDGEFILL_SPLICE_KV) {
         return format("unknown splice mode %d", params.splice);
     }
-    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && params.split_layer < n_layer) {
+    if ((params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION || params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED) &&
+        params.split_layer < n_layer) {
         if (params.sel_layer < 0) {
             params.sel_layer = rf_default_sel_layer(hparams, params.split_layer);
             if (params.sel_layer < 0) {
@@ -253,7 +256,9 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
 
     n_layer   = (int32_t) hparams.n_layer();
     n_embd    = (int32_t) hparams.n_embd;
-    sel_layer = params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && params.split_layer < n_layer ? params.sel_layer : -1;
+    const bool attention = params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION ||
+                           params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED;
+    sel_layer = attention && params.split_layer < n_layer ? params.sel_layer : -1;
 
     const rf_caches caches = rf_get_caches(lctx.get_memory());
     const int64_t n_ctx   = lctx.get_cparams().n_ctx;
@@ -521,85 +526,110 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
     }
 
     const int32_t k = rf_n_selected(n_prefix, params.exact_fraction);
+
+    // prefix rows by score, highest first (ties: the earlier row): the scores accumulated per cell in
+    // the early phase (attention) or the probe pass (probe), for the planned rows
+    auto by_score = [&]() {
+        std::vector<float> sc(ggml_nelements(scores));
+        ggml_backend_tensor_get(scores, sc.data(), 0, ggml_nbytes(scores));
+        last_scores.resize(cells.size());
+        for (size_t j = 0; j < cells.size(); ++j) {
+            last_scores[j] = sc[cells[j]];
+        }
+        std::vector<int32_t> order(n_prefix);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return last_scores[a] > last_scores[b]; });
+        return order;
+    };
+
+    // prefix rows in a protected class: sink rows first, then digits, then once-in-the-prompt tokens,
+    // then line starts; within a class rarer tokens (fewer occurrences in the prompt) first, then the
+    // earlier row
+    auto protected_rows = [&]() {
+        const llama_vocab & vocab = model.vocab;
+        const int32_t N = (int32_t) p.tokens.size();
+        std::unordered_map<llama_token, int32_t> count;
+        for (llama_token t : p.tokens) {
+            if (t != LLAMA_TOKEN_NULL) {
+                count[t]++;
+            }
+        }
+        auto known = [&](llama_token t) {
+            return t != LLAMA_TOKEN_NULL && t >= 0 && t < (llama_token) vocab.n_tokens();
+        };
+        struct cand { int32_t rank; int32_t count; int32_t j; };
+        std::vector<cand> cands;
+        for (int32_t j = 0; j < std::min(n_prefix, N); ++j) {
+            const llama_token t = p.tokens[j];
+            int32_t cls = 0;
+            if (p.pos0 + j < LLAMA_RIDGEFILL_N_SINK) {
+                cls |= LLAMA_RIDGEFILL_CLASS_SINK;
+            }
+            if (known(t) && !vocab.is_control(t)) {
+                const std::string & piece = vocab.token_to_piece(t);
+                if (std::any_of(piece.begin(), piece.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+                    cls |= LLAMA_RIDGEFILL_CLASS_DIGIT;
+                }
+                if (count[t] == 1) {
+                    cls |= LLAMA_RIDGEFILL_CLASS_RARE;
+                }
+                if (j > 0 && known(p.tokens[j - 1])) {
+                    const std::string & prev = vocab.token_to_piece(p.tokens[j - 1]);
+                    if (!prev.empty() && prev.back() == '\n') {
+                        cls |= LLAMA_RIDGEFILL_CLASS_LINE_START;
+                    }
+                }
+            }
+            cls &= params.protected_classes;
+            if (cls) {
+                const int32_t rank = (cls & LLAMA_RIDGEFILL_CLASS_SINK)  ? 0 :
+                                     (cls & LLAMA_RIDGEFILL_CLASS_DIGIT) ? 1 :
+                                     (cls & LLAMA_RIDGEFILL_CLASS_RARE)  ? 2 : 3;
+                cands.push_back({ rank, known(t) ? count[t] : 0, j });
+            }
+        }
+        std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
+            return std::tie(a.rank, a.count, a.j) < std::tie(b.rank, b.count, b.j);
+        });
+        std::vector<int32_t> rows;
+        for (const cand & c : cands) {
+            rows.push_back(c.j);
+        }
+        return rows;
+    };
+
+    // the first k distinct rows of the lists, in turn
+    std::vector<char> chosen(n_prefix, 0);
     std::vector<llama_pos> exact;
+    auto take = [&](const std::vector<int32_t> & rows) {
+        for (size_t i = 0; i < rows.size() && (int32_t) exact.size() < k; ++i) {
+            if (!chosen[rows[i]]) {
+                chosen[rows[i]] = 1;
+                exact.push_back(p.pos0 + rows[i]);
+            }
+        }
+    };
+
     switch (params.selector) {
         case LLAMA_RIDGEFILL_SELECTOR_NONE:
             break;
         case LLAMA_RIDGEFILL_SELECTOR_ATTENTION:
+            if (sel_layer >= 0) {
+                take(by_score());
+            }
+            break;
         case LLAMA_RIDGEFILL_SELECTOR_PROBE:
-            {
-                if (params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION && sel_layer < 0) {
-                    break;
-                }
-                // the scores accumulated per cell (early phase or probe pass), for the planned rows
-                std::vector<float> sc(ggml_nelements(scores));
-                ggml_backend_tensor_get(scores, sc.data(), 0, ggml_nbytes(scores));
-                last_scores.resize(cells.size());
-                for (size_t j = 0; j < cells.size(); ++j) {
-                    last_scores[j] = sc[cells[j]];
-                }
-                // the top ceil(fraction * prefix) prefix rows; ties go to the earlier row
-                std::vector<int32_t> order(n_prefix);
-                std::iota(order.begin(), order.end(), 0);
-                std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return last_scores[a] > last_scores[b]; });
-                for (int32_t i = 0; i < k; ++i) {
-                    exact.push_back(p.pos0 + order[i]);
-                }
-            } break;
+            take(by_score());
+            break;
         case LLAMA_RIDGEFILL_SELECTOR_PROTECTED:
-            {
-                // the prefix rows in a protected class, at most k of them: sink rows first, then
-                // digits, then once-in-the-prompt tokens, then line starts; within a class rarer
-                // tokens (fewer occurrences in the prompt) first, then the earlier row
-                const llama_vocab & vocab = model.vocab;
-                const int32_t N = (int32_t) p.tokens.size();
-                std::unordered_map<llama_token, int32_t> count;
-                for (llama_token t : p.tokens) {
-                    if (t != LLAMA_TOKEN_NULL) {
-                        count[t]++;
-                    }
-                }
-                auto known = [&](llama_token t) {
-                    return t != LLAMA_TOKEN_NULL && t >= 0 && t < (llama_token) vocab.n_tokens();
-                };
-                struct cand { int32_t rank; int32_t count; int32_t j; };
-                std::vector<cand> cands;
-                for (int32_t j = 0; j < std::min(n_prefix, N); ++j) {
-                    const llama_token t = p.tokens[j];
-                    int32_t cls = 0;
-                    if (p.pos0 + j < LLAMA_RIDGEFILL_N_SINK) {
-                        cls |= LLAMA_RIDGEFILL_CLASS_SINK;
-                    }
-                    if (known(t) && !vocab.is_control(t)) {
-                        const std::string & piece = vocab.token_to_piece(t);
-                        if (std::any_of(piece.begin(), piece.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-                            cls |= LLAMA_RIDGEFILL_CLASS_DIGIT;
-                        }
-                        if (count[t] == 1) {
-                            cls |= LLAMA_RIDGEFILL_CLASS_RARE;
-                        }
-                        if (j > 0 && known(p.tokens[j - 1])) {
-                            const std::string & prev = vocab.token_to_piece(p.tokens[j - 1]);
-                            if (!prev.empty() && prev.back() == '\n') {
-                                cls |= LLAMA_RIDGEFILL_CLASS_LINE_START;
-                            }
-                        }
-                    }
-                    cls &= params.protected_classes;
-                    if (cls) {
-                        const int32_t rank = (cls & LLAMA_RIDGEFILL_CLASS_SINK)  ? 0 :
-                                             (cls & LLAMA_RIDGEFILL_CLASS_DIGIT) ? 1 :
-                                             (cls & LLAMA_RIDGEFILL_CLASS_RARE)  ? 2 : 3;
-                        cands.push_back({ rank, known(t) ? count[t] : 0, j });
-                    }
-                }
-                std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
-                    return std::tie(a.rank, a.count, a.j) < std::tie(b.rank, b.count, b.j);
-                });
-                for (int32_t i = 0; i < std::min<int32_t>(k, cands.size()); ++i) {
-                    exact.push_back(p.pos0 + cands[i].j);
-                }
-            } break;
+            take(protected_rows());
+            break;
+        case LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED:
+            take(protected_rows());
+            if (sel_layer >= 0) {
+                take(by_score());
+            }
+            break;
         default:
             GGML_ABORT("unknown selector %d", params.selector);
     }

@@ -81,6 +81,8 @@ extern "C" {
         LLAMA_RIDGEFILL_SELECTOR_PROBE     = 2, // the same score at the late layers: the tail runs the late
                                                 //   layers against the filled cache first (a probe pass)
         LLAMA_RIDGEFILL_SELECTOR_PROTECTED = 3, // rows of a token class (protected_classes), no attention
+        LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED = 4, // the protected rows, then the attention
+                                                          //   selector's rows up to the fraction
     };
 
     // row classes of the protected selector (a bit mask); a row is protected when it is in any of

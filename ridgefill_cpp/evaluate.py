@@ -74,13 +74,15 @@ class EvalOptions:
 
 def parse_selector(spec: str) -> tuple[int, int | None]:
     """A selector spec -> (C selector, protected classes or None): ``attention``, ``probe``, ``none``,
-    ``protected`` (the default classes) or ``protected:CLASS+CLASS`` (digits, rare, line_start)."""
+    ``protected`` / ``attention+protected`` (the default classes) or with ``:CLASS+CLASS`` (sink,
+    digits, rare, line_start)."""
     from .prefill import DEFAULT_PROTECTED, SELECTORS, protected_mask
 
     name, _, classes = spec.partition(":")
-    if name not in SELECTORS or (classes and name != "protected"):
+    uses_classes = name in ("protected", "attention+protected")
+    if name not in SELECTORS or (classes and not uses_classes):
         raise ValueError(f"selector {spec!r}: use one of {', '.join(SELECTORS)}, or protected:CLASS+CLASS")
-    if name != "protected":
+    if not uses_classes:
         return SELECTORS[name], None
     return SELECTORS[name], protected_mask(classes.split("+") if classes else DEFAULT_PROTECTED)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from . import metrics
 
-SELECTORS = ("attention", "probe", "protected", "none")  # what the measuring runner attaches (DESIGN §5)
+SELECTORS = ("attention", "attention+protected", "probe", "protected", "none")  # what the measuring runner attaches (DESIGN §5)
 
 
 @dataclass

@@ -27,7 +27,8 @@ from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.mapfile import read_map_file, write_map_file
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention, piece_texts,
-                                      probe_fill_forward, select_exact_rows, select_protected_rows)
+                                      probe_fill_forward, select_attention_protected_rows, select_exact_rows,
+                                      select_protected_rows)
 
 DENSE = ("llama", "qwen3", "gemma3")
 N_TOKENS = 160
@@ -772,5 +773,35 @@ def test_selector_and_placement_refusals(tiny_models, map_files):
         p.selector = 7
         assert N.llama_ridgefill_attach(llm._ctx.ctx, None, p) == -1
         assert "unknown selector 7" in N.llama_ridgefill_last_error().decode()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_attention_plus_protected_selector(arch, tiny_models, oracles, prompt, map_files):
+    """attention+protected: the protected rows (sink and digits), then the attention selector's rows
+    up to the fraction; the prefill matches the oracle with those rows exact."""
+    o = oracles[arch]
+    S = _split(arch, o)
+    texts, control = _vocab(tiny_models[arch])
+    rf = RidgeFill(map_files[arch], tail=TAIL, selector="attention+protected", min_prompt=0)
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(n_ubatch=32))
+    try:
+        extra = llm.tokenize(b"\nroom 42 at 7:30\n", add_bos=False)
+        tokens = prompt[:N_TOKENS - len(extra) - 40] + extra + prompt[N_TOKENS - 40:]
+        llm.eval(tokens)
+        st = llm.ridgefill_stats
+        prefix = len(tokens) - TAIL
+        prot = select_protected_rows(tokens, texts, control, prefix, 0.10)
+        assert prot and set(prot) >= {0, 1, 2, 3}
+        # the composition, on libllama's own scores (compared with the oracle's in the attention test)
+        want = select_attention_protected_rows(torch.tensor(llm.ridgefill_scores()), tokens, texts, control, prefix)
+        assert st["exact_positions"] == want and set(prot) <= set(want)
+        assert len(want) == math.ceil(0.1 * prefix) and st["selector_layer"] == default_selector_layer(o, S)
+        ref_want = select_attention_protected_rows(attention_scores(o, tokens, default_selector_layer(o, S)), tokens, texts,
+                                                   control, prefix)
+        assert len(set(want) ^ set(ref_want)) <= 2  # at most one near-tie of the scores swapped
+        ref = fill_forward(o, tokens, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=want)
+        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
     finally:
         llm.close()

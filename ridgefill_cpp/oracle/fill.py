@@ -446,6 +446,25 @@ def _output(oracle, tokens, positions, split, tail, roles, active, layer_inputs,
                       n_scale_rows=n_scale_rows, hidden_out=hidden_exact, logits=logits, gdn_states=gdn_states)
 
 
+def select_attention_protected_rows(scores: torch.Tensor, tokens: Sequence[int], texts: Sequence[str],
+                                    control: Sequence[bool], prefix_len: int, fraction: float = DEFAULT_FRACTION,
+                                    classes: int = CLASS_SINK | CLASS_DIGIT) -> list[int]:
+    """The `attention+protected` selector: the protected rows (:func:`select_protected_rows`, at most
+    ceil(fraction · prefix_len)), then the highest-scoring other prefix rows (ties: the earlier
+    row) up to ceil(fraction · prefix_len) in all."""
+    k = n_selected(prefix_len, fraction)
+    chosen = select_protected_rows(tokens, texts, control, prefix_len, fraction, classes)
+    order = torch.sort(scores[:prefix_len], descending=True, stable=True).indices.tolist()
+    have = set(chosen)
+    for i in order:
+        if len(chosen) >= k:
+            break
+        if i not in have:
+            chosen.append(i)
+            have.add(i)
+    return sorted(chosen)
+
+
 # ------------------------------------------------------------------------------------------------
 # the attention selector (DESIGN §5)
 
