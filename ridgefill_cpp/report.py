@@ -179,6 +179,22 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         paths.append(_save(fig, out / f"delta_nll_{n}.png"))
 
+    # levers: each one's paired ΔNLL difference against plain ridge (a forest plot), and its speed
+    for n, paired in sorted((getattr(res, "paired", None) or {}).items(), key=lambda kv: int(kv[0])):
+        rows = [(v, d["novel"]) for v, d in paired.items() if d.get("novel")]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(rows) + 1.6))
+        ys = list(range(len(rows)))[::-1]
+        est = [r["estimate"] for _, r in rows]
+        ax.errorbar(est, ys, xerr=[[r["estimate"] - r["low"] for _, r in rows], [r["high"] - r["estimate"] for _, r in rows]],
+                    fmt="o", capsize=4, color="tab:blue")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(ys, [f"{v}  ({res.ttft_ratio(int(n), v):.2f}x)" for v, _ in rows], fontsize=8)
+        ax.set_xlabel("novel-token ΔNLL minus plain ridge's (nats; < 0: the lever helps)")
+        ax.set_title(f"levers, {n}-token prompts (paired by document, 95 % CI; speed vs exact)", fontsize=9)
+        paths.append(_save(fig, out / f"levers_{n}.png"))
+
     # split sweep: ridge at each split, ΔNLL (novel) and speed
     if len(res.splits) > 1:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))

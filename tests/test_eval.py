@@ -72,6 +72,7 @@ def test_eval_quick_writes_a_well_formed_report(tiny_models, tiny_maps, cli, tmp
     md = (out / "report.md").read_text()
     assert "## 1024-token prompts" in md and "Splice test" in md and "Filled-region retrieval" in md
     assert "**Levers**" in md and "| ridge, probe selector |" in md
+    assert (out / "levers_1024.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](levers_1024.png)" in md
     assert "PSF-2.0" in md and "K = " in md
     for png in ("delta_nll_1024.png", "split_sweep.png", "retrieval_1024.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in md
