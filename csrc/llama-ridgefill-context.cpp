@@ -408,6 +408,10 @@ bool llama_ridgefill_context::reserve() {
     if (S >= n_layer) {
         return true; // every prompt runs stock
     }
+    const auto & capture = cparams.embeddings_layer_inp;
+    if (std::find(capture.begin(), capture.end(), true) != capture.end()) {
+        return true; // no plan begins while a layer-input capture is on; turning it off reserves again
+    }
 
     const uint32_t n_tokens  = std::min(cparams.n_ctx, cparams.n_ubatch);
     const uint32_t max_nodes = lctx.graph_max_nodes(cparams.n_ubatch);
@@ -426,10 +430,17 @@ bool llama_ridgefill_context::reserve() {
     const uint32_t n_outputs_saved = lctx.n_outputs;
     ggml_backend_sched_t sched = lctx.sched.get();
 
+    // the scheduler keeps the largest buffers of the graphs it reserves: an early ubatch, a late
+    // chunk through the last layer (logits), and a late chunk of the first late layer (its graph
+    // is laid out differently: input from x_S, output stored for the next layer)
     bool ok = true;
-    for (int phase = 0; phase < 2 && ok; ++phase) {
-        const bool late = phase == 1;
-        llama_ubatch ub = rf_make_ubatch(0, pos, late);
+    for (int phase = 0; phase < 3 && ok; ++phase) {
+        const bool late  = phase > 0;
+        const bool first = phase == 2;
+        if (first && S >= n_layer - 1) {
+            break; // the first late layer is the last
+        }
+        llama_ubatch ub = rf_make_ubatch(0, pos, phase == 1);
 
         cur = {};
         cur.model = &model;
@@ -449,24 +460,31 @@ bool llama_ridgefill_context::reserve() {
                 cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
             }
         } else {
-            // a chunk of exact rows through the last layer, with two fill steps and the value scale
-            // (probe selector: from the last full-attention layer, whose graph also scores)
-            // (fill steps of the largest size a prompt of n_ctx rows needs)
-            const int32_t n_chunk = fill_chunk((int32_t) cparams.n_ctx);
-            const int32_t n_f = 2*n_chunk;
-            int32_t il_res = n_layer - 1;
+            // a chunk of exact rows with the fill and the value scale, through the last layer
+            // (probe selector: from the last full-attention layer, whose graph also scores) or
+            // through the first late layer S; the most filled rows a prompt can have, n_ctx - 1, in
+            // the fill steps they need (the index inputs and the steps are as large as they get)
+            const int32_t n_f     = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
+            const int32_t n_chunk = fill_chunk(n_f);
+            int32_t il_res = first ? S : n_layer - 1;
             if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE) {
-                while (il_res > S && !rf_is_full_attention(hparams, il_res)) {
+                while (!first && il_res > S && !rf_is_full_attention(hparams, il_res)) {
                     il_res--;
                 }
-                cur.sel_layer = il_res;
-                cur.scores    = scores;
-                cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
+                if (rf_is_full_attention(hparams, il_res)) {
+                    cur.sel_layer = il_res;
+                    cur.scores    = scores;
+                    cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
+                }
             }
             cur.il_begin   = il_res;
-            cur.il_end     = n_layer;
-            cur.src        = xx;
+            cur.il_end     = first ? S + 1 : n_layer;
+            cur.src        = first ? xs : xx;
             cur.src_rows.assign(n_tokens, 0);
+            if (first) {
+                cur.dst = xx;
+                cur.dst_rows.assign(n_tokens, 0);
+            }
             cur.fill_layer = il_res;
             cur.n_chunk    = n_chunk;
             cur.f_rows.assign(n_f, 0);
@@ -483,7 +501,7 @@ bool llama_ridgefill_context::reserve() {
                 }
             }
             const int32_t n_r = std::min(params.n_rescale, params.n_tail);
-            cur.r_src = xx;
+            cur.r_src = first ? xs : xx;
             cur.r_src_rows.assign(n_r, 0);
             cur.r_rows.assign(n_r, 0);
             const int32_t n_rk = std::min(params.n_key_rescale, params.n_tail);
@@ -491,7 +509,7 @@ bool llama_ridgefill_context::reserve() {
             cur.rk_rows.assign(n_rk, 0);
         }
 
-        lctx.n_outputs = late ? 1 : 0;
+        lctx.n_outputs = phase == 1 ? 1 : 0;
         ggml_backend_sched_reset(sched);
         res_late->reset();
         graph_active = true;
@@ -1086,6 +1104,15 @@ int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, l
     const auto & p = rf->params;
     if (p.split_layer >= rf->n_layer || N <= p.n_tail || N < p.min_prompt) {
         return 0; // degenerate: stock prefill (DESIGN §4.6)
+    }
+
+    // a layer-input capture needs every layer of every row in the graph; a planned prompt's graphs
+    // run some of them
+    const auto & capture = ctx->get_cparams().embeddings_layer_inp;
+    if (std::find(capture.begin(), capture.end(), true) != capture.end()) {
+        llama_ridgefill_set_error(__func__, "a layer-input capture is enabled (llama_ridgefill_capture_layer_input): "
+                "RidgeFill prefill does not run every layer of every row; disable the capture first");
+        return -1;
     }
 
     plan = {};

@@ -466,6 +466,18 @@ def test_compute_buffers_are_reserved_for_both_phases(arch, tiny_models, oracles
                     **_ctx_kwargs(n_batch=256, n_ubatch=64))
         llm.eval(prompt)
         assert llm.ridgefill_stats["n_filled"] > 64  # several fill steps
+        # a setting that makes llama.cpp rebuild its scheduler (toggling a layer-input capture): the
+        # new scheduler gets the RidgeFill reservation too
+        N.llama_ridgefill_capture_layer_input(llm._ctx.ctx, 1, True)
+        llm.reset()
+        # (a capture needs every layer of every row: a planned prompt is refused while it is on)
+        with pytest.raises(RuntimeError, match="layer-input capture is enabled"):
+            llm.eval(prompt)
+        llm.eval(prompt[:8])  # a short prompt runs stock, rebuilding the scheduler
+        N.llama_ridgefill_capture_layer_input(llm._ctx.ctx, 1, False)
+        llm.reset()
+        llm.eval(prompt)
+        assert llm.ridgefill_stats["n_filled"] > 64
         llm.close()
     finally:
         llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
