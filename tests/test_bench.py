@@ -81,6 +81,25 @@ def test_benchmark_with_maps(tiny_models, cli, tmp_path):
     r = cli("bench", tiny_models["llama"], "--lengths", "64", "--no-identity")
     assert r.exit_code == 1 and "nothing to compare with stock" in r.output
 
+    # the GPU placement measurement script (tools/measure_cuda_placement.py) runs end to end on a CPU
+    # build too: three processes, where the maps live, no VRAM figure without nvidia-smi
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    out = tmp_path / "placement.json"
+    run = subprocess.run([sys.executable, str(tools / "measure_cuda_placement.py"), "--model", str(tiny_models["llama"]),
+                          "--maps", str(maps), "--lengths", "100", "--repeats", "1", "--tail", "8", "--n-batch", "64",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d) == {"stock", "resident", "host"} and d["stock"]["maps"] is None
+    for v in ("resident", "host"):
+        assert d[v]["maps"]["maps_placement"] == v and d[v]["maps"]["maps_bytes"] > 0
+        assert d[v]["stats"]["100"]["tail"] == 8 and d[v]["ttft_s"]["100"] > 0
+    assert "vs stock" in run.stdout
+
 
 def test_benchmark_bad_input(cli, tiny_models):
     r = cli("bench", tiny_models["llama"], "--lengths", "4096")
