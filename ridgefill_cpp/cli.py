@@ -301,6 +301,21 @@ def fit(
         out.print(f"wrote {path}", highlight=False)
 
 
+def _read_text_option(text: Optional[list[Path]]) -> Optional[dict[str, list[tuple[str, str]]]]:
+    """The documents of --text (eval, tune) as {"text": [(name, text)]}, or None for the default texts."""
+    from .corpus import read_documents
+
+    if not text:
+        return None
+    try:
+        found = read_documents(text)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    if not found:
+        _fail("--text: no readable text files")
+    return {"text": [(d.name, d.text) for d in found]}
+
+
 def _check_prefill_args(model: Path, lengths: str, selector: str) -> list[int]:
     """The --lengths list, after checking it, --selector and the model file (bench, eval)."""
     from .gguf_model import GGUFFileError, read_model_info
@@ -424,7 +439,6 @@ def eval_cmd(
     plots and a JSON file."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from .corpus import read_documents
     from .evaluate import EvalOptions, evaluate
     from .mapfile import MapFileError
     from .report import write_report
@@ -441,15 +455,7 @@ def eval_cmd(
             options.lengths = ns
     else:
         options = EvalOptions(lengths=ns, **kw)
-    texts = None
-    if text:
-        try:
-            found = read_documents(text)
-        except (OSError, ValueError) as e:
-            _fail(str(e))
-        if not found:
-            _fail("--text: no readable text files")
-        texts = {"text": [(d.name, d.text) for d in found]}
+    texts = _read_text_option(text)
     t0 = time.perf_counter()
     with Progress(TextColumn("evaluating: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                   console=err) as bar:
@@ -654,7 +660,6 @@ def tune_cmd(
     front (speedup vs ΔNLL)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from .corpus import read_documents
     from .gguf_model import GGUFFileError
     from .mapfile import MapFileError
     from .tune import NoFeasibleSetting, TuneOptions, tune, write_tune_report
@@ -667,15 +672,7 @@ def tune_cmd(
         _fail(f"--selector must be attention or none, not {selector!r}")
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         _fail(f"--out {out_dir} exists and is not a directory")
-    texts = None
-    if text:
-        try:
-            found = read_documents(text)
-        except (OSError, ValueError) as e:
-            _fail(str(e))
-        if not found:
-            _fail("--text: no readable text files")
-        texts = {"text": [(d.name, d.text) for d in found]}
+    texts = _read_text_option(text)
     options = TuneOptions(tails=tuple(ts), fractions=tuple(fs), selector=selector, length=length, n_docs=docs,
                           value_rescale=value_rescale, n_threads=threads, strict=strict)
     failure = None

@@ -320,7 +320,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     """Run the evaluation (see the module docstring). ``maps``: one map file, or several (one per
     split: the first is the main setting, the others form the split sweep)."""
     from .gguf_model import read_model_info
-    from .mapfile import compatibility_problems, read_map_file
+    from .mapfile import map_file_splits
 
     options = options or EvalOptions()
     if not maps:
@@ -330,14 +330,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     if len(set(options.selectors)) != len(options.selectors):
         raise ValueError(f"a selector variant is listed twice: {', '.join(options.selectors)}")
     info = read_model_info(model)
-    metas = [read_map_file(m).meta for m in maps]
-    for m, meta in zip(maps, metas):
-        problems = compatibility_problems(meta, model)
-        if problems:
-            raise ValueError(f"{m}: " + "; ".join(problems))
-    splits = [meta.split_layer for meta in metas]
-    if len(set(splits)) != len(splits):
-        raise ValueError(f"two map files for the same split: {splits}")
+    splits = map_file_splits(maps, model)
     lengths = sorted({int(n) for n in options.lengths})
     if not lengths or lengths[0] < 4 * options.tail:
         raise ValueError(f"prompt lengths must be at least 4 x the tail ({4 * options.tail})")
@@ -458,8 +451,7 @@ def _summarise(recs: dict, variants: list[str], options: EvalOptions) -> dict:
     for v in variants:
         out[v] = {}
         for m in ("all", "novel", "key"):
-            vals = np.array([r[m][0] for r in recs[v]], dtype=np.float64)
-            wts = np.array([r[m][1] for r in recs[v]], dtype=np.float64)
+            vals, wts = _per_doc(recs, v, m), _per_doc(recs, v, m, weights=True)
             keep = wts > 0
             if not keep.any():
                 out[v][m] = None
@@ -470,6 +462,11 @@ def _summarise(recs: dict, variants: list[str], options: EvalOptions) -> dict:
     return out
 
 
+def _per_doc(recs: dict, variant: str, metric: str, weights: bool = False) -> np.ndarray:
+    """Per-document ΔNLL means of a variant for one metric (``weights``: their token counts)."""
+    return np.array([r[metric][1 if weights else 0] for r in recs[variant]], dtype=np.float64)
+
+
 def _paired(recs: dict, levers: list[str], options: EvalOptions) -> dict:
     """Each lever's ΔNLL minus the plain ridge fill's, per document (the same tokens), token-weighted,
     with a bootstrap CI over documents: below 0 = the lever helps."""
@@ -477,9 +474,7 @@ def _paired(recs: dict, levers: list[str], options: EvalOptions) -> dict:
     for v in levers:
         out[v] = {}
         for m in ("all", "novel", "key"):
-            base = np.array([r[m][0] for r in recs["ridge"]], dtype=np.float64)
-            lev = np.array([r[m][0] for r in recs[v]], dtype=np.float64)
-            wts = np.array([r[m][1] for r in recs["ridge"]], dtype=np.float64)
+            base, lev, wts = _per_doc(recs, "ridge", m), _per_doc(recs, v, m), _per_doc(recs, "ridge", m, weights=True)
             keep = wts > 0
             if not keep.any():
                 out[v][m] = None
@@ -494,9 +489,7 @@ def _splice_shares(recs: dict, options: EvalOptions) -> dict:
     for name, v in (("K", "ridge, exact K"), ("V", "ridge, exact V")):
         out[name] = {}
         for m in ("all", "novel", "key"):
-            fill = np.array([r[m][0] for r in recs["ridge"]], dtype=np.float64)
-            spl = np.array([r[m][0] for r in recs[v]], dtype=np.float64)
-            wts = np.array([r[m][1] for r in recs["ridge"]], dtype=np.float64)
+            fill, spl, wts = _per_doc(recs, "ridge", m), _per_doc(recs, v, m), _per_doc(recs, "ridge", m, weights=True)
             keep = wts > 0
             if not keep.any() or not (np.average(fill[keep], weights=wts[keep]) > 0):
                 out[name][m] = None

@@ -266,6 +266,22 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
     return maps
 
 
+def map_file_splits(maps: Sequence[os.PathLike | str], model_path: os.PathLike | str) -> list[int]:
+    """The split of each map file, after checking that every file is a readable map file that fits
+    the model at ``model_path`` and that no two are for the same split (eval's sweep, tune's grid).
+    Raises :class:`MapFileError` saying which file does not fit and why."""
+    metas = [read_map_file(m).meta for m in maps]
+    for m, meta in zip(maps, metas):
+        problems = compatibility_problems(meta, model_path)
+        if problems:
+            raise MapFileError(f"{m}: the maps do not fit {model_path}: " + "; ".join(problems))
+    splits = [meta.split_layer for meta in metas]
+    if len(set(splits)) != len(splits):
+        dup = sorted({s for s in splits if splits.count(s) > 1})
+        raise MapFileError(f"two map files for the same split ({', '.join(f'S = {s}' for s in dup)}): give one per split")
+    return splits
+
+
 def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str) -> list[str]:
     """Why the maps do not fit the model at ``model_path`` (empty list: they fit)."""
     from .fingerprint import model_fingerprint

@@ -220,7 +220,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
 
     from .evaluate import EvalOptions, _nll, _Runner, build_documents, default_texts, text_sources
     from .gguf_model import read_model_info
-    from .mapfile import compatibility_problems, read_map_file, write_tuned_defaults
+    from .mapfile import map_file_splits, write_tuned_defaults
 
     options = options or TuneOptions()
     t_start = time.perf_counter()
@@ -238,15 +238,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     info = read_model_info(model)
     if info.context_length and options.length > info.context_length:
         raise ValueError(f"a {options.length}-token prompt is longer than the model's context ({info.context_length})")
-    metas = [read_map_file(m).meta for m in maps]
-    for m, meta in zip(maps, metas):
-        problems = compatibility_problems(meta, model)
-        if problems:
-            raise ValueError(f"{m}: the maps do not fit {model}: " + "; ".join(problems))
-    splits = [meta.split_layer for meta in metas]
-    if len(set(splits)) != len(splits):
-        dup = sorted({s for s in splits if splits.count(s) > 1})
-        raise ValueError(f"two map files for the same split ({', '.join(f'S = {s}' for s in dup)}): give one per split")
+    splits = map_file_splits(maps, model)
     texts = texts if texts is not None else default_texts()
     if not texts:
         raise ValueError("no held-out text")
