@@ -1,0 +1,230 @@
+// RidgeFill in llama-server (ridgefill-cpp): see server-ridgefill.h
+
+#include "server-ridgefill.h"
+
+#include "log.h"
+
+#include <cmath>
+#include <stdexcept>
+
+static const struct {
+    const char * name;
+    int32_t      selector;
+} rf_selectors[] = {
+    { "none",                LLAMA_RIDGEFILL_SELECTOR_NONE                },
+    { "attention",           LLAMA_RIDGEFILL_SELECTOR_ATTENTION           },
+    { "probe",               LLAMA_RIDGEFILL_SELECTOR_PROBE               },
+    { "protected",           LLAMA_RIDGEFILL_SELECTOR_PROTECTED           },
+    { "attention+protected", LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED },
+};
+
+static std::string rf_selector_names() {
+    std::string res;
+    for (const auto & s : rf_selectors) {
+        res += res.empty() ? "" : ", ";
+        res += s.name;
+    }
+    return res;
+}
+
+int32_t server_ridgefill_selector_from_name(const std::string & name) {
+    for (const auto & s : rf_selectors) {
+        if (name == s.name) {
+            return s.selector;
+        }
+    }
+    return -1;
+}
+
+const char * server_ridgefill_selector_name(int32_t selector) {
+    for (const auto & s : rf_selectors) {
+        if (selector == s.selector) {
+            return s.name;
+        }
+    }
+    return "?";
+}
+
+bool server_ridgefill_configured(const common_params_ridgefill & params) {
+    return !params.maps.empty() || params.split >= 0;
+}
+
+server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server) {
+    server_ridgefill_request req;
+    if (value.is_boolean()) {
+        req.enabled = value.get<bool>();
+    } else if (value.is_object()) {
+        for (const auto & [key, val] : value.items()) {
+            if (key == "tail") {
+                if (!val.is_number_integer() || val.get<long long>() < 1 || val.get<long long>() > INT32_MAX) {
+                    throw std::invalid_argument("\"tail\" must be an integer >= 1 (the last prompt rows, always exact), got " + val.dump());
+                }
+                req.n_tail = (int32_t) val.get<long long>();
+            } else if (key == "exact_fraction") {
+                if (!val.is_number() || !(val.get<double>() >= 0.0 && val.get<double>() <= 1.0)) {
+                    throw std::invalid_argument("\"exact_fraction\" must be a number in [0, 1], got " + val.dump());
+                }
+                req.exact_fraction = val.get<double>();
+            } else if (key == "selector") {
+                const int32_t sel = val.is_string() ? server_ridgefill_selector_from_name(val.get<std::string>()) : -1;
+                if (sel < 0) {
+                    throw std::invalid_argument("\"selector\" must be one of " + rf_selector_names() + ", got " + val.dump());
+                }
+                req.selector = sel;
+            } else {
+                throw std::invalid_argument("unknown member \"" + key + "\" (use tail, exact_fraction, selector)");
+            }
+        }
+    } else {
+        throw std::invalid_argument("must be false (exact prefill), true (the server's RidgeFill settings) or an object "
+                "with tail, exact_fraction and selector, got " + value.dump());
+    }
+    if (req.enabled && !enabled_on_server) {
+        throw std::invalid_argument("this server runs without RidgeFill (start it with --ridgefill-maps or --ridgefill-split); "
+                "only false is accepted");
+    }
+    return req;
+}
+
+server_ridgefill::~server_ridgefill() {
+    if (ctx) {
+        llama_ridgefill_detach(ctx);
+    }
+    llama_ridgefill_maps_free(maps);
+}
+
+bool server_ridgefill::init(const common_params_ridgefill & params, llama_model * model, llama_context * ctx, std::string & error) {
+    if (!server_ridgefill_configured(params)) {
+        return true;
+    }
+    defaults = llama_ridgefill_default_params();
+    defaults.split_layer    = params.maps.empty() ? params.split : (params.split >= 0 ? params.split : -1);
+    defaults.n_tail         = params.n_tail;
+    defaults.exact_fraction = params.exact_fraction;
+    defaults.min_prompt     = params.min_prompt;
+    defaults.selector       = server_ridgefill_selector_from_name(params.selector);
+    if (defaults.selector < 0) {
+        error = "--ridgefill-selector " + params.selector + ": use one of " + rf_selector_names();
+        return false;
+    }
+    if (!params.maps.empty()) {
+        llama_ridgefill_maps_params mparams = llama_ridgefill_maps_default_params();
+        mparams.split_layer = defaults.split_layer;
+        maps = llama_ridgefill_maps_init(model, params.maps.c_str(), mparams);
+        if (maps == nullptr) {
+            error = "--ridgefill-maps " + params.maps + ": " + llama_ridgefill_last_error();
+            return false;
+        }
+    }
+    if (llama_ridgefill_attach(ctx, maps, defaults) != 0) {
+        error = std::string("RidgeFill: ") + llama_ridgefill_last_error();
+        llama_ridgefill_maps_free(maps);
+        maps = nullptr;
+        return false;
+    }
+    if (maps) {
+        defaults.split_layer = llama_ridgefill_maps_split_layer(maps);
+    }
+    attached    = defaults;
+    is_attached = true;
+    this->ctx   = ctx;
+    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d, exact fraction %.3g, selector %s, prompts of >= %d new rows\n",
+            __func__, maps ? params.maps.c_str() : "identity fill", defaults.split_layer, llama_model_n_layer(model),
+            defaults.n_tail, defaults.exact_fraction, server_ridgefill_selector_name(defaults.selector), defaults.min_prompt);
+    return true;
+}
+
+llama_ridgefill_params server_ridgefill::params_for(const server_ridgefill_request & req) const {
+    llama_ridgefill_params p = defaults;
+    if (req.n_tail >= 0) {
+        p.n_tail = req.n_tail;
+    }
+    if (req.exact_fraction >= 0.0) {
+        p.exact_fraction = req.exact_fraction;
+    }
+    if (req.selector >= 0) {
+        p.selector = req.selector;
+        p.sel_layer = -1; // the default layer of the new selector
+    }
+    return p;
+}
+
+bool server_ridgefill::wants(const server_ridgefill_request & req, int32_t n_rows) const {
+    if (exact(req)) {
+        return false;
+    }
+    const llama_ridgefill_params p = params_for(req);
+    const int32_t n_layer = llama_model_n_layer(llama_get_model(ctx));
+    return p.split_layer < n_layer && n_rows > p.n_tail && n_rows >= p.min_prompt;
+}
+
+static bool rf_same_params(const llama_ridgefill_params & a, const llama_ridgefill_params & b) {
+    return a.n_tail == b.n_tail && a.exact_fraction == b.exact_fraction && a.selector == b.selector;
+}
+
+int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end,
+        common_json & stats, std::string & error) {
+    stats = common_json();
+    if (!enabled()) {
+        return 0;
+    }
+    const int32_t n_rows = pos_end - pos0;
+    stats["requested"] = req.enabled;
+    stats["applied"]   = false;
+    stats["n_prompt"]  = n_rows;
+    if (!wants(req, n_rows)) {
+        const llama_ridgefill_params p = params_for(req);
+        stats["reason"] = !req.enabled ? "exact prefill requested" :
+                          n_rows <= p.n_tail ? "no more new prompt rows than the tail" :
+                          "fewer new prompt rows than --ridgefill-min-prompt";
+        return 0;
+    }
+
+    const llama_ridgefill_params p = params_for(req);
+    if (!is_attached || !rf_same_params(p, attached)) {
+        // the request's settings differ from the attached ones: attach them (a setting the context
+        // refuses leaves nothing attached; the next plan attaches again)
+        if (llama_ridgefill_attach(ctx, maps, p) != 0) {
+            error = std::string("\"ridgefill\": ") + llama_ridgefill_last_error();
+            is_attached = false;
+            return -1;
+        }
+        attached    = p;
+        is_attached = true;
+    }
+
+    const int32_t ret = llama_ridgefill_begin(ctx, seq_id, pos0, pos_end);
+    if (ret < 0) {
+        error = std::string("RidgeFill: ") + llama_ridgefill_last_error();
+        return -1;
+    }
+    if (ret == 0) {
+        stats["reason"] = "stock prefill for this prompt";
+    }
+    return ret;
+}
+
+void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t & n_filled, int32_t & n_exact) const {
+    llama_ridgefill_stats st = {};
+    n_filled = 0;
+    n_exact  = 0;
+    if (!enabled() || llama_ridgefill_get_stats(ctx, &st) != 0 || !st.active) {
+        return;
+    }
+    n_filled = st.n_filled;
+    n_exact  = st.n_exact + st.n_tail;
+
+    stats["applied"]        = true;
+    stats["n_prompt"]       = st.n_prompt;
+    stats["n_filled"]       = st.n_filled;
+    stats["n_exact"]        = st.n_exact;
+    stats["n_tail"]         = st.n_tail;
+    stats["split_layer"]    = st.split_layer;
+    stats["n_layer"]        = st.n_layer;
+    stats["selector"]       = server_ridgefill_selector_name(attached.selector);
+    stats["exact_fraction"] = attached.exact_fraction;
+    stats["n_probe"]        = st.n_probe;
+    stats["ceiling"]        = st.ceiling;
+    stats["t_late_ms"]      = st.t_late_ms;
+    stats["t_prompt_ms"]    = t_prompt_ms;
+}

@@ -1,0 +1,86 @@
+// RidgeFill in llama-server (ridgefill-cpp): the --ridgefill-* settings, the per-request "ridgefill"
+// field and the RidgeFill attached to the server's target context. Compiled into llama.cpp's
+// server-context library; the hooks in tools/server are patches/0005-server-ridgefill.patch.
+//
+// Planned prompts are serialised. llama_ridgefill_begin() needs the rows of one sequence alone in
+// the decode calls up to the plan's last row (its late phase runs then), so while a slot's planned
+// prompt is in progress - or a slot is about to start one - the server's batch holds that slot's
+// prompt rows only: other slots' generation and prompts wait for those decode calls (server_ridgefill
+// ::owner). Planned prompts of several slots run one after the other; generation resumes in between.
+//
+// Prompt cache. The late-layer KV of a planned prompt's filled rows is approximate, and so is
+// everything decoded after them. server_prompt::n_exact counts the leading cached tokens whose KV is
+// exact (INT32_MAX: all). A request that is exact - "ridgefill": false, or a server without RidgeFill
+// maps - drops the approximate part before it looks for a common prefix, so it never reuses
+// approximate KV; a RidgeFill request reuses the whole cached prefix (it accepted the approximation).
+// The host-memory prompt cache (--cache-ram) keeps n_exact with each saved prompt. Context
+// checkpoints are not created during a planned prompt (they would capture half-finished late layers).
+
+#pragma once
+
+#include "common.h"
+#include "json.h"
+#include "llama-ridgefill.h"
+
+#include <cstdint>
+#include <string>
+
+// the "ridgefill" field of one request
+struct server_ridgefill_request {
+    bool    enabled        = true; // false: exact prefill for this request
+    int32_t n_tail         = -1;   // -1: the server's --ridgefill-tail
+    double  exact_fraction = -1.0; // < 0: the server's --ridgefill-exact-fraction
+    int32_t selector       = -1;   // enum llama_ridgefill_selector, -1: the server's --ridgefill-selector
+};
+
+// the selectors by name: none, attention, probe, protected, attention+protected; -1 when unknown
+int32_t      server_ridgefill_selector_from_name(const std::string & name);
+const char * server_ridgefill_selector_name(int32_t selector);
+
+// parse the value of a request's "ridgefill" member: false, true, or an object with any of "tail"
+// (integer >= 1), "exact_fraction" (number in [0, 1]) and "selector" (a selector name). Throws
+// std::invalid_argument saying what is wrong. enabled_on_server: false when the server runs without
+// RidgeFill, where only false is accepted.
+server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server);
+
+// whether the server's command line asks for RidgeFill
+bool server_ridgefill_configured(const common_params_ridgefill & params);
+
+struct server_ridgefill {
+    server_ridgefill() = default;
+    server_ridgefill(const server_ridgefill &) = delete;
+    server_ridgefill & operator=(const server_ridgefill &) = delete;
+    ~server_ridgefill();
+
+    // load the maps (if any) and attach RidgeFill to ctx with the command line's settings;
+    // false with the reason in error. Nothing to do when the command line has no RidgeFill.
+    bool init(const common_params_ridgefill & params, llama_model * model, llama_context * ctx, std::string & error);
+
+    bool enabled() const { return ctx != nullptr; }
+
+    // the request's prefill is exact: no RidgeFill on the server, or switched off for the request
+    bool exact(const server_ridgefill_request & req) const { return !enabled() || !req.enabled; }
+
+    // whether a prompt of n_rows new rows would be planned for the request
+    bool wants(const server_ridgefill_request & req, int32_t n_rows) const;
+
+    // plan the prompt rows [pos0, pos_end) of seq_id with the request's settings (re-attaching
+    // RidgeFill when they differ from the attached ones): 1 planned, 0 stock prefill (short prompt,
+    // exact request), -1 error (in error). Fills stats with what a response reports.
+    int32_t begin(const server_ridgefill_request & req, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end,
+            common_json & stats, std::string & error);
+
+    // the planned prompt's rows were decoded: adds llama_ridgefill_get_stats() of the finished plan
+    // and the prompt time to stats; returns the filled and exact (selected + tail) row counts
+    void finish(common_json & stats, double t_prompt_ms, int32_t & n_filled, int32_t & n_exact) const;
+
+private:
+    llama_ridgefill_params params_for(const server_ridgefill_request & req) const;
+
+    llama_context        * ctx  = nullptr;
+    llama_ridgefill_maps * maps = nullptr;
+
+    llama_ridgefill_params defaults = {}; // the command line's
+    llama_ridgefill_params attached = {}; // attached now
+    bool                   is_attached = false;
+};
