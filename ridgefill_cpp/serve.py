@@ -1,0 +1,473 @@
+"""``ridgefill-gguf serve``: llama.cpp's own ``llama-server``, built from the patched tree, with RidgeFill.
+
+This module does not serve anything itself: it checks the settings, builds the command line of the
+patched ``llama-server`` binary installed inside the package (``ridgefill_cpp/bin/llama-server``),
+starts it, waits until ``GET /health`` answers 200 and stops it cleanly. RidgeFill settings become
+the server's own flags (``--ridgefill-maps``, ``--ridgefill-split``, ``--ridgefill-tail``,
+``--ridgefill-exact-fraction``, ``--ridgefill-selector``, ``--ridgefill-min-prompt``); without
+RidgeFill the command line is stock llama-server's. Per request, the server takes a ``"ridgefill"``
+JSON field on ``/completion``, ``/v1/completions`` and ``/v1/chat/completions``: ``false`` (exact
+prefill for this request), ``true`` (the server's settings) or an object overriding ``tail``,
+``exact_fraction`` and ``selector``.
+
+>>> with Server("model.gguf", ridgefill="model.ridgefill.gguf", extra_args=["-np", "4"]) as srv:
+...     client = openai.OpenAI(base_url=srv.base_url, api_key="-")
+
+Every check (the model file, the map file against the model, the settings) runs before a process
+starts. The server binds only ``host`` (loopback by default), runs in its own process group (a
+Ctrl-C at the terminal reaches this process, which forwards one signal) and gets SIGTERM if this
+process dies (Linux), so no path leaves an orphan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .prefill import DEFAULT_PROTECTED, RidgeFill, protected_mask
+
+#: architectures libllama's filled-row prefill supports (csrc/llama-ridgefill-context.cpp refuses the rest)
+PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3")
+
+#: RidgeFill settings that have no llama-server flag: they must keep their defaults to be served
+_NO_SERVER_FLAG = ("value_rescale", "key_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement")
+
+#: flags the command line sets from serve's own options; refused in the extra arguments
+_MANAGED_FLAGS = {
+    "-m": "the model argument", "--model": "the model argument",
+    "--host": "the host option", "--port": "the port option",
+    "--ridgefill-maps": "the maps option", "--ridgefill-split": "the identity split option",
+    "--ridgefill-tail": "the tail option", "--ridgefill-exact-fraction": "the exact fraction option",
+    "--ridgefill-selector": "the selector option", "--ridgefill-min-prompt": "the min prompt option",
+}
+
+_LOOPBACK = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """llama-server could not be started (missing binary, exited during start-up, not healthy in time)."""
+
+
+def server_binary() -> Path:
+    """The patched ``llama-server`` installed with the package: ``bin/llama-server`` next to the
+    native libraries it links (found the way :mod:`ridgefill_cpp._native` finds them, so a source
+    checkout on ``PYTHONPATH`` uses the installed build)."""
+    from . import _native
+
+    path = _native.BIN_DIR / ("llama-server.exe" if sys.platform == "win32" else "llama-server")
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ServerError(f"the patched llama-server was not found at {path} (it is built and installed with the "
+                          "native libraries of " + str(_native.LIB_DIR) + "): run `make setup` (see README)")
+    return path
+
+
+def _as_ridgefill(ridgefill: RidgeFill | str | os.PathLike | None) -> RidgeFill | None:
+    if ridgefill is None or isinstance(ridgefill, RidgeFill):
+        return ridgefill
+    return RidgeFill(ridgefill)
+
+
+def _check_servable(rf: RidgeFill) -> None:
+    """Settings the server flags can express: a selector by name, the others at their defaults."""
+    if rf.selector == "positions":
+        raise ValueError("the server takes a selector by name (none, attention, probe, protected, "
+                         "attention+protected), not a list of positions")
+    defaults = {f.name: f.default for f in dataclasses.fields(RidgeFill) if f.name in _NO_SERVER_FLAG}
+    changed = []
+    for name, default in defaults.items():
+        value = getattr(rf, name)
+        same = (protected_mask(value) == protected_mask(DEFAULT_PROTECTED)) if name == "protected" else value == default
+        if not same:
+            changed.append(f"{name}={value!r} (the server uses {default!r})")
+    if changed:
+        raise ValueError("llama-server has no flag for these RidgeFill settings: " + ", ".join(changed))
+
+
+def check_ridgefill(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | None) -> RidgeFill | None:
+    """The RidgeFill settings to serve ``model`` with (a map file path resolves to its tuned defaults),
+    after checking, before any process starts, what ``Llama(model, ridgefill=...)`` would refuse:
+    the model file, the map file (readable, not corrupt, fitted on this model: architecture,
+    dimensions, fingerprint; :func:`ridgefill_cpp.mapfile.map_file_splits`), the split, the
+    architecture, and settings the server has flags for. Raises ``ValueError`` (``GGUFFileError`` /
+    ``MapFileError`` are ``ValueError`` s) saying what is wrong."""
+    from .gguf_model import read_model_info
+    from .mapfile import map_file_splits
+
+    info = read_model_info(model)
+    rf = _as_ridgefill(ridgefill)
+    if rf is None:
+        return None
+    _check_servable(rf)
+    if info.architecture not in PREFILL_ARCHITECTURES:
+        raise ValueError(f"{model}: architecture '{info.architecture}' is not supported by RidgeFill prefill "
+                         f"(supported: {', '.join(PREFILL_ARCHITECTURES)}); serve it without RidgeFill")
+    if rf.maps is not None:
+        (file_split,) = map_file_splits([rf.maps], model)
+        if rf.split is not None and rf.split != file_split:
+            raise ValueError(f"the maps were fitted for split {file_split}, not the requested split {rf.split}")
+    elif not 1 <= rf.split <= info.n_layer - 1:
+        raise ValueError(f"split {rf.split} outside 1..{info.n_layer - 1} ({model} has {info.n_layer} layers)")
+    return rf
+
+
+def _check_extra(extra: Sequence[str]) -> list[str]:
+    extra = [str(a) for a in extra]
+    for a in extra:
+        flag = a.split("=", 1)[0]
+        if flag in _MANAGED_FLAGS:
+            raise ValueError(f"{flag} is set by {_MANAGED_FLAGS[flag]} of serve, not among the extra llama-server "
+                             "arguments")
+    return extra
+
+
+def _check_host(host: str) -> str:
+    host = str(host).strip()
+    if not host or "," in host or host.endswith(".sock") or "/" in host:
+        raise ValueError(f"host {host!r}: give one IP address or host name to listen on")
+    return host
+
+
+def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | None = None,
+                host: str = _LOOPBACK, port: int = 8080, extra: Sequence[str] = (), *,
+                api_key: str | None = None) -> list[str]:
+    """The command line of the patched llama-server: the binary, ``-m model --host H --port P``, the
+    RidgeFill flags of the resolved settings (none when ``ridgefill`` is None: stock llama-server),
+    ``--api-key`` when given, then ``extra`` unchanged.
+
+    Resolved means every value is explicit: a map file's tuned defaults (``ridgefill-gguf tune``)
+    and the built-in ones are written out, so the server runs exactly what ``RidgeFill`` says.
+    With maps, the split is the file's (``--ridgefill-maps``); identity fill passes
+    ``--ridgefill-split``. Does not read the model or check the settings against it:
+    :func:`check_ridgefill` does.
+    """
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port {port} outside 0..65535")
+    args = [str(server_binary()), "-m", str(model), "--host", _check_host(host), "--port", str(int(port))]
+    rf = _as_ridgefill(ridgefill)
+    if rf is not None:
+        _check_servable(rf)
+        if rf.maps is not None:
+            args += ["--ridgefill-maps", str(rf.maps)]
+        else:
+            args += ["--ridgefill-split", str(int(rf.split))]
+        args += ["--ridgefill-tail", str(int(rf.tail)),
+                 "--ridgefill-exact-fraction", repr(float(rf.exact_fraction)),
+                 "--ridgefill-selector", str(rf.selector),
+                 "--ridgefill-min-prompt", str(int(rf.min_prompt))]
+        # the patched server itself turns on --kv-unified and --swa-full when RidgeFill is on
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("the API key is empty")
+        args += ["--api-key", api_key]
+    return args + _check_extra(extra)
+
+
+def describe(rf: RidgeFill | None) -> str:
+    """One line saying what the server will run (and where each setting came from)."""
+    if rf is None:
+        return "RidgeFill off: stock llama-server prefill"
+    src = lambda k: f" ({rf.origin[k]})" if rf.origin.get(k, "argument") != "argument" else ""  # noqa: E731
+    what = f"maps {rf.maps}" if rf.maps is not None else f"identity fill at split {rf.split}"
+    return (f"RidgeFill: {what}; tail {rf.tail}{src('tail')}, exact fraction {rf.exact_fraction:g}"
+            f"{src('exact_fraction')}, selector {rf.selector}{src('selector')}, prompts from {rf.min_prompt} tokens")
+
+
+# ------------------------------------------------------------------------------------------------
+# processes
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to ``host``."""
+    if host in ("0.0.0.0", ""):
+        return _LOOPBACK
+    if host == "::":
+        return "::1"
+    return host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+
+
+def http_status(url: str, api_key: str | None = None, timeout: float = 2.0) -> int | None:
+    """The HTTP status of ``GET url`` (None: no answer)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with _NO_PROXY.open(req, timeout=timeout) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, ValueError):  # refused, reset, timed out
+        return None
+
+
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(parent: int) -> Callable[[], None] | None:
+    """In the child before exec: SIGTERM when the parent dies (Linux), and exit if it already has.
+    (Linux ties this to the thread that started the child: start servers from a thread that outlives them.)"""
+    if _PRCTL is None:
+        return None
+
+    def setup() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return setup
+
+
+def _popen(args: list[str], **kw):
+    import subprocess
+
+    # its own process group: a Ctrl-C at the terminal reaches us only, and we forward one signal
+    # (two SIGINTs make llama-server exit at once, without its clean shutdown)
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_child_setup(os.getpid()), **kw)
+
+
+def _reap_group(pgid: int) -> None:
+    """SIGKILL whatever is left in the server's process group once the server has exited."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_process(proc, timeout: float, sig: int = signal.SIGTERM) -> int:
+    """Signal, wait up to ``timeout`` s, then SIGKILL; returns the exit code."""
+    import subprocess
+
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _reap_group(proc.pid)
+    return proc.returncode
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            lines = deque(f, maxlen=n)
+    except OSError:
+        return ""
+    return b"".join(lines).decode(errors="replace").rstrip()
+
+
+class Server:
+    """The patched llama-server as a context manager.
+
+    ``ridgefill``: None (stock llama-server), a :class:`RidgeFill`, or a map file path (its tuned
+    defaults). ``port=0`` picks a free port on ``host``. ``api_key`` is passed as ``--api-key``
+    (and used for the health check). ``extra_args`` go to llama-server unchanged. stdout and stderr
+    go to ``log_path`` (default: a new file in the temporary directory, kept after :meth:`stop`).
+    The settings are checked when the object is made, before any process starts.
+    """
+
+    def __init__(self, model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | None = None, *,
+                 host: str = _LOOPBACK, port: int = 0, api_key: str | None = None, extra_args: Sequence[str] = (),
+                 log_path: str | os.PathLike | None = None, startup_timeout: float = 120.0):
+        self.model = Path(model)
+        self.ridgefill = check_ridgefill(self.model, ridgefill)
+        self.host = _check_host(host)
+        self.api_key = api_key
+        self.extra_args = _check_extra(extra_args)
+        self.startup_timeout = float(startup_timeout)
+        self._want_port = int(port)
+        server_args(self.model, self.ridgefill, self.host, self._want_port, self.extra_args, api_key=api_key)  # checks
+        self._log_path = Path(log_path) if log_path is not None else None
+        self.port: int | None = None
+        self.process = None
+        self.args: list[str] = []
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_path
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise ServerError("the server has not been started")
+        return f"http://{_url_host(_connect_host(self.host))}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's ``base_url``."""
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        """The server's output so far."""
+        return self._log_path.read_text(errors="replace") if self._log_path and self._log_path.exists() else ""
+
+    def start(self) -> "Server":
+        if self.process is not None and self.process.poll() is None:
+            raise ServerError("the server is already running")
+        import subprocess
+
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(prefix="ridgefill-server-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        attempts = 3 if self._want_port == 0 else 1
+        for attempt in range(attempts):
+            self.port = self._want_port or _free_port(self.host)
+            self.args = server_args(self.model, self.ridgefill, self.host, self.port, self.extra_args,
+                                    api_key=self.api_key)
+            with open(self._log_path, "ab") as log:
+                log.write(f"$ {' '.join(self.args)}\n".encode())
+                log.flush()
+                self.process = _popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                self._wait_healthy()
+                return self
+            except ServerError as e:
+                self.stop()
+                # a free port can be taken between our probe and the server's bind: try another
+                if attempt + 1 < attempts and "couldn't bind" in _tail(self._log_path, 20):
+                    continue
+                raise e
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = self.url + "/health"
+        while True:
+            rc = self.process.poll()
+            if rc is not None:
+                raise ServerError(f"llama-server exited with code {rc} during start-up; the end of its log "
+                                  f"({self._log_path}):\n{_tail(self._log_path)}")
+            if http_status(url, self.api_key, timeout=2.0) == 200 and self.process.poll() is None:
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"llama-server was not healthy after {self.startup_timeout:g} s; the end of its "
+                                  f"log ({self._log_path}):\n{_tail(self._log_path)}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait up to ``timeout`` s, then SIGKILL; returns the exit code (None: never started)."""
+        if self.process is None:
+            return None
+        return _stop_process(self.process, timeout)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | None = None, *,
+          host: str = _LOOPBACK, port: int = 8080, api_key: str | None = None, extra_args: Sequence[str] = (),
+          startup_timeout: float = 600.0, grace: float = 10.0, echo: Callable[[str], None] | None = None) -> int:
+    """Run the patched llama-server in the foreground (its output on this terminal) until it exits or
+    this process gets SIGINT / SIGTERM, which is forwarded to it once (a second one kills it; SIGKILL
+    ``grace`` s after the first). Says the URL once the server is healthy. Returns the server's exit
+    code (128 + N when a signal N ended it). Raises ``ValueError`` on bad settings (before starting
+    anything) and :class:`ServerError` when the server exits during start-up or is not healthy in
+    ``startup_timeout`` s; no path leaves the server running."""
+    import subprocess
+
+    echo = echo or (lambda s: print(s, flush=True))
+    rf = check_ridgefill(model, ridgefill)
+    host = _check_host(host)
+    port = int(port) or _free_port(host)
+    args = server_args(model, rf, host, port, extra_args, api_key=api_key)
+    url = f"http://{_url_host(_connect_host(host))}:{port}"
+    echo(describe(rf))
+
+    stop_sig: list[int] = []
+    state = {"proc": None, "kill_at": None}
+
+    def forward(signum, frame) -> None:
+        proc = state["proc"]
+        if stop_sig and proc is not None and proc.poll() is None:
+            proc.kill()  # a second signal: do not wait
+        elif proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)  # it handles INT and TERM
+        stop_sig.append(signum)
+        state["kill_at"] = time.monotonic() + grace
+
+    main = threading.current_thread() is threading.main_thread()
+    old = {}
+    if main:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, forward)
+    proc = None
+    try:
+        proc = state["proc"] = _popen(args)
+        if stop_sig:  # a signal between the handlers and the start
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + startup_timeout
+        healthy = False
+        while proc.poll() is None:
+            now = time.monotonic()
+            if stop_sig:
+                if state["kill_at"] is not None and now > state["kill_at"]:
+                    proc.kill()
+            elif not healthy:
+                if http_status(url + "/health", api_key, timeout=1.0) == 200 and proc.poll() is None:
+                    healthy = True
+                    echo(f"llama-server is ready: {url}")
+                    echo(f"OpenAI base URL: {url}/v1  (Ctrl-C stops the server)")
+                elif now > deadline:
+                    _stop_process(proc, grace)
+                    raise ServerError(f"llama-server was not healthy after {startup_timeout:g} s: stopped it")
+            try:
+                proc.wait(timeout=0.1 if not healthy else 0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        rc = proc.returncode
+        _reap_group(proc.pid)
+        if not healthy and not stop_sig:
+            raise ServerError(f"llama-server exited with code {rc} before it was ready (its output is above)")
+        return rc if rc >= 0 else 128 - rc
+    finally:
+        if proc is not None and proc.poll() is None:
+            _stop_process(proc, grace)
+        for s, h in old.items():
+            signal.signal(s, h)
