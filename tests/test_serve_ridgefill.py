@@ -77,7 +77,7 @@ def _library(model: Path, prompt: list[int], rf: RidgeFill | None, n: int = 6) -
     from ridgefill_cpp.bench import greedy_continuation, last_logits
 
     llm = Llama(str(model), n_ctx=2048, n_batch=256, n_ubatch=64, n_threads=1, n_threads_batch=1, flash_attn=False,
-                type_k=F32, type_v=F32, verbose=False, ridgefill=rf)
+                type_k=F32, type_v=F32, verbose=False, ridgefill=rf, swa_full=True)
     try:
         llm.eval(prompt)
         logits = last_logits(llm).astype(np.float64)
@@ -334,6 +334,27 @@ def test_bad_maps_or_settings_stop_the_server_with_a_message(tiny_models, tmp_pa
                            "--ridgefill-maps", str(other)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--ridgefill-maps" in proc.stdout + proc.stderr
     del ServerError
+
+
+def test_gemma3_ridge_maps_sliding_window_layers_and_no_checkpoints(tiny_models, tmp_path):
+    """gemma3 (sliding-window layers, the server turns on --swa-full) with ridge maps fitted on its own
+    hidden states: the server equals the library; no context checkpoint is taken."""
+    from ridgefill_cpp import corpus
+    from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+    from ridgefill_cpp.mapfile import write_map_file
+
+    model = tiny_models["gemma3"]
+    fit = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=3000, ctx=128, split=4, n_threads=1))
+    maps = write_map_file(tmp_path / "gemma3.ridgefill.gguf", fit.maps, dtype="f32")
+    rf = RidgeFill(maps, tail=16, exact_fraction=0.1, min_prompt=64)
+    with Server(model, rf, extra_args=[*TINY_ARGS, "-v"], log_path=tmp_path / "s.log", startup_timeout=60) as s:
+        for n in (200, 333):
+            prompt = _prompt(model, n)
+            res = _complete(s, prompt)
+            _assert_same(res, _library(model, prompt, rf))
+            assert res["ridgefill"]["applied"] and res["ridgefill"]["split_layer"] == 4
+        log = s.log()
+    assert "--swa-full" in log and "created context checkpoint" not in log
 
 
 # ------------------------------------------------------------------------------------------------
