@@ -26,6 +26,7 @@ import pytest
 from conftest import evaluation_tokens
 from ridgefill_cpp import Llama, RidgeFill  # before llama_cpp: the patched libraries
 from ridgefill_cpp.serve import Server
+from test_serve import no_proxy  # noqa: F401  (autouse: loopback requests never go through a proxy)
 
 HTTP_TIMEOUT = 120
 F32 = 0  # GGML_TYPE_F32
@@ -34,15 +35,6 @@ TINY_RF = dict(split=3, tail=16, exact_fraction=0.1, selector="attention", min_p
 #: the same numerics as the library below: F32 KV, no flash attention, 256-row batches of 64-row ubatches
 TINY_ARGS = ["-c", "2048", "-np", "4", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0",
              "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--metrics", "--no-warmup"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_proxy():
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-            mp.delenv(var, raising=False)
-        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
-        yield
 
 
 def _post(url: str, body: dict, timeout: float = HTTP_TIMEOUT) -> tuple[int, dict]:
@@ -393,3 +385,27 @@ def test_smollm2_long_prompts_on_off_and_four_clients(smollm2_path, tmp_path):
             assert max(got, key=got.get) == max(want, key=want.get)
             assert all(abs(got[t] - want[t]) < 0.05 for t in set(got) & set(want)), (got, want)
         assert len({r["id_slot"] for r in results.values()}) == 4
+
+
+def test_cli_serve_with_identity_split_reaches_the_server(tiny_models, tmp_path):
+    """`ridgefill-gguf serve MODEL --identity-split 3 ...`: the flags reach llama-server, a long prompt
+    is planned with them, SIGTERM stops everything."""
+    from test_serve import _assert_stopped_cleanly, _cmdline, _end, _server_child, _start_cli, _wait_for
+
+    out = tmp_path / "cli.out"
+    model = tiny_models["llama"]
+    proc = _start_cli([model, "--identity-split", "3", "--tail", "12", "--min-prompt", "64", "--port", "0", "--",
+                       *TINY_ARGS], out)
+    try:
+        url = _wait_for(proc, out, r"OpenAI base URL: (http://127\.0\.0\.1:\d+)/v1").group(1)
+        server = _server_child(proc.pid)
+        cmd = _cmdline(server)
+        assert cmd[cmd.index("--ridgefill-split") + 1] == "3" and cmd[cmd.index("--ridgefill-tail") + 1] == "12"
+        status, res = _post(url + "/completion", {"prompt": _prompt(model, 150), "n_predict": 2, "cache_prompt": False})
+        assert status == 200 and res["ridgefill"]["applied"]
+        assert (res["ridgefill"]["split_layer"], res["ridgefill"]["n_tail"]) == (3, 12)
+        proc.send_signal(__import__("signal").SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        _assert_stopped_cleanly(server)
+    finally:
+        _end(proc)
