@@ -4,8 +4,9 @@ One server (``ridgefill-gguf serve`` settings: the map file, or identity fill at
 the same long prompt with ``"ridgefill": false`` and ``true`` alternately (``cache_prompt`` off, so
 every request prefills the whole prompt); TTFT is the time from sending the request to the first
 streamed token at the client. Then ``--clients`` different long prompts are sent at once, all exact
-and all RidgeFill (wall time until every first token, each client's TTFT), as the concurrency
-figures. Prints a table and writes JSON (``--json``). Ratios are the figure on a shared machine.
+and all RidgeFill (wall time until every first token, each client's TTFT), and one client streams
+tokens while another's long prompt is prefilled (the longest pause between its tokens), as the
+concurrency figures. Prints a table and writes JSON (``--json``). Ratios are the figure on a shared machine.
 
     python tools/measure_server.py MODEL --maps MAPS [--n-prompt 4096] [--repeats 5] [--clients 4]
 """
@@ -63,6 +64,31 @@ def concurrent(url: str, prompts: list[list[int]], ridgefill) -> dict:
     return {"wall_s": time.perf_counter() - t0, "ttft_s": [out[i] for i in range(len(prompts))]}
 
 
+def generation_gaps(url: str, long_prompt: list[int], short_prompt: list[int], ridgefill) -> dict:
+    """One client streams 160 tokens; 1 s in, another sends the long prompt. The longest pause between
+    two streamed tokens of the first client, and the long prompt's TTFT."""
+    stamps: list[float] = []
+
+    def stream():
+        body = {"prompt": short_prompt, "n_predict": 160, "temperature": 0, "cache_prompt": False, "stream": True,
+                "ignore_eos": True, "ridgefill": False}
+        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    stamps.append(time.perf_counter())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    long_ttft, stats = ttft(url, long_prompt, ridgefill)
+    t.join()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"max_gap_s": max(gaps), "median_gap_s": statistics.median(gaps), "long_ttft_s": long_ttft,
+            "applied": bool(stats and stats.get("applied"))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
@@ -102,6 +128,8 @@ def main() -> int:
         res["ridgefill_stats"] = stats
         res["concurrent"] = {"exact": concurrent(srv.url, others, False),
                              "ridgefill": concurrent(srv.url, others, True)}
+        res["generation_during_prefill"] = {"exact": generation_gaps(srv.url, prompt, prompt[:64], False),
+                                            "ridgefill": generation_gaps(srv.url, prompt, prompt[:64], True)}
     m = res["median_s"]
     print(f"TTFT, {a.model.name}, {a.n_prompt}-token prompt, median of {a.repeats} (alternating), one server:")
     print(f"  exact     {m['exact'] * 1e3:8.0f} ms   {', '.join(f'{t * 1e3:.0f}' for t in times['exact'])}")
@@ -114,6 +142,9 @@ def main() -> int:
     for name, c in res["concurrent"].items():
         print(f"  {a.clients} clients at once, {name}: all first tokens after {c['wall_s']:.1f} s; "
               f"TTFT {', '.join(f'{t:.1f}' for t in sorted(c['ttft_s']))} s")
+    for name, g in res["generation_during_prefill"].items():
+        print(f"  a client streaming while another's prompt is prefilled ({name}): longest pause between tokens "
+              f"{g['max_gap_s']:.1f} s (median {g['median_gap_s'] * 1e3:.0f} ms); the prompt's TTFT {g['long_ttft_s']:.1f} s")
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
     return 0
