@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -293,6 +294,36 @@ def test_four_slots_concurrent_equal_alone_also_while_one_generates(tiny, tiny_m
             assert _first_probs(r) == pytest.approx(_first_probs(a), abs=1e-4)
     slots = {r["id_slot"] for r in results.values()}
     assert len(slots) == 4  # four slots served them at once
+
+
+def test_generation_takes_turns_with_the_chunks_of_a_planned_prompt(tiny_models, tmp_path):
+    """A planned prompt of several n_batch chunks while another slot generates: between two chunks the
+    generating slot gets a decode call of its own (the server's debug log says so), and both outputs
+    equal the same requests served alone."""
+    model = tiny_models["llama"]
+    args = [a if a != "256" else "64" for a in TINY_ARGS] + ["-v"]  # -b 64: a 400-row prompt is 7 chunks
+    prompt, gen_prompt = _prompt(model, 400, shift=21), _prompt(model, 30, shift=9)
+    with Server(model, RidgeFill.identity(**TINY_RF), extra_args=args, log_path=tmp_path / "s.log", startup_timeout=60) as s:
+        alone = _complete(s, prompt, n=4)
+        gen_alone = _complete(s, gen_prompt, n=600, ridgefill=False, ignore_eos=True)
+        n_turns = s.log().count("while the other slots take a turn")
+        assert n_turns == 0
+        done: dict[str, dict] = {}
+        gen = threading.Thread(target=lambda: done.__setitem__(
+            "gen", _complete(s, gen_prompt, n=600, ridgefill=False, ignore_eos=True)))
+        n_decoded = s.log().count("slot decode token")
+        gen.start()
+        while s.log().count("slot decode token") == n_decoded and gen.is_alive():
+            time.sleep(0.005)  # until the generating slot runs
+        res = _complete(s, prompt, n=4)
+        overlapped = gen.is_alive()  # it generated during the whole planned prompt
+        gen.join(timeout=HTTP_TIMEOUT)
+        assert not gen.is_alive()
+        turns = s.log().count("while the other slots take a turn")
+    assert res["tokens"] == alone["tokens"] and res["ridgefill"]["n_filled"] == alone["ridgefill"]["n_filled"]
+    assert done["gen"]["tokens"] == gen_alone["tokens"] and len(gen_alone["tokens"]) == 600
+    assert overlapped, "the 600-token generation ended before the 400-row prompt was served"
+    assert turns - n_turns >= 6  # a turn after each of the first six chunks of seven
 
 
 def test_a_server_without_ridgefill_accepts_only_false(tiny_models, tmp_path):
