@@ -132,6 +132,9 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     assert st["ceiling"] == pytest.approx(1 / r, rel=1e-5)
     assert 0 < st["t_late_ms"] <= st["t_prompt_ms"]
     assert st["t_prompt_ms"] == pytest.approx(res["timings"]["prompt_ms"], rel=0.05)
+    # GET /props tells clients the server's settings
+    props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
+    assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "min_prompt": 64}
 
 
 def test_exact_request_is_stock_prefill(tiny, tiny_models):
@@ -335,6 +338,7 @@ def test_a_server_without_ridgefill_accepts_only_false(tiny_models, tmp_path):
         assert status == 200 and "ridgefill" not in res
         status, res = _post(s.url + "/completion", {"prompt": "hello", "n_predict": 2})
         assert status == 200 and "ridgefill" not in res
+        assert "ridgefill" not in json.loads(_get(s.url + "/props")[1])
 
 
 def test_bad_maps_or_settings_stop_the_server_with_a_message(tiny_models, tmp_path):
@@ -440,3 +444,36 @@ def test_cli_serve_with_identity_split_reaches_the_server(tiny_models, tmp_path)
         _assert_stopped_cleanly(server)
     finally:
         _end(proc)
+
+
+@pytest.mark.slow
+def test_smollm2_client_gone_during_a_planned_prompt(smollm2_path, tmp_path):
+    """A client that disconnects while its 4K prompt is being prefilled (the first of two chunks): the
+    plan is dropped with the slot's cache, and the next RidgeFill request is served as on a fresh
+    server."""
+    import socket
+
+    prompt = _prompt(smollm2_path, 4000, shift=50)
+    rf = RidgeFill.identity(split=20)
+    with Server(smollm2_path, rf, extra_args=[*SMOL_ARGS, "-v"], log_path=tmp_path / "s.log", startup_timeout=120) as s:
+        fresh = _complete(s, prompt[:1500], n=4)
+        host, port = s.url.rsplit("/", 1)[1].split(":")
+        body = json.dumps({"prompt": prompt, "n_predict": 4, "cache_prompt": False, "id_slot": 1}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + 60
+            while "RidgeFill: planned prompt rows [0, 4000)" not in s.log() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "RidgeFill: planned prompt rows [0, 4000)" in s.log()
+        # the connection is gone mid-plan; the server notices it at the next chunk
+        deadline = time.monotonic() + 120
+        while "stop processing" not in s.log().split("planned prompt rows [0, 4000)")[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _get(s.url + "/health")[0] == 200
+        again = _complete(s, prompt[:1500], n=4)
+        assert again["ridgefill"]["applied"] and again["tokens"] == fresh["tokens"]
+        assert _first_probs(again) == pytest.approx(_first_probs(fresh), abs=1e-4)
+        log = s.log().split("planned prompt rows [0, 4000)")[1]
+    # the cancelled request never got a response (it stopped before its first token)
+    assert "stop processing" in log and "prompt eval time" not in log.split("stop processing")[0]

@@ -49,6 +49,17 @@ bool server_ridgefill_configured(const common_params_ridgefill & params) {
     return !params.maps.empty() || params.split >= 0;
 }
 
+common_json server_ridgefill_props(const common_params_ridgefill & params) {
+    common_json res;
+    res["maps"]           = params.maps;
+    res["split"]          = params.split;
+    res["tail"]           = params.n_tail;
+    res["exact_fraction"] = params.exact_fraction;
+    res["selector"]       = params.selector;
+    res["min_prompt"]     = params.min_prompt;
+    return res;
+}
+
 server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server) {
     server_ridgefill_request req;
     if (value.is_boolean()) {

@@ -46,6 +46,10 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
 // whether the server's command line asks for RidgeFill
 bool server_ridgefill_configured(const common_params_ridgefill & params);
 
+// the command line's RidgeFill settings for GET /props (maps, split, tail, exact_fraction,
+// selector, min_prompt; split -1: the map file's)
+common_json server_ridgefill_props(const common_params_ridgefill & params);
+
 struct server_ridgefill {
     server_ridgefill() = default;
     server_ridgefill(const server_ridgefill &) = delete;
