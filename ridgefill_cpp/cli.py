@@ -703,7 +703,7 @@ def tune_cmd(
     budget: float = typer.Option(..., "--budget", "-b", help="Largest acceptable novel-token ΔNLL against exact prefill, in nats (e.g. 0.02)."),
     tails: str = typer.Option("32,64,128", "--tails", help="Tails T to search, comma-separated (each below --length / 4)."),
     fractions: str = typer.Option("0,0.05,0.1,0.2", "--fractions", help="Exact fractions to search, comma-separated, each in [0, 1]."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of every setting: attention or none (the Python tune() also takes attention+protected, probe and protected)."),
+    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of every setting: attention, attention+protected, probe, protected (sink + digits) or none; written into the map file with the chosen setting."),
     length: int = typer.Option(2048, "--length", "-l", min=8, help="Prompt length of the held-out documents, in tokens."),
     docs: int = typer.Option(8, "--docs", min=2, help="Held-out documents (the CIs are bootstrapped over them)."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off), the same for every setting."),
@@ -730,8 +730,10 @@ def tune_cmd(
     fs = _number_list(fractions, "--fractions", float)
     if not budget > 0:
         _fail(f"--budget must be a positive number of nats, not {budget:g}")
-    if selector not in ("attention", "none"):
-        _fail(f"--selector must be attention or none, not {selector!r}")
+    from .tune import SELECTORS as TUNE_SELECTORS
+
+    if selector not in TUNE_SELECTORS:
+        _fail(f"--selector must be one of {', '.join(TUNE_SELECTORS)}, not {selector!r}")
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         _fail(f"--out {out_dir} exists and is not a directory")
     texts = _read_text_option(text)

@@ -339,6 +339,16 @@ def test_cli_tune_writes_the_plot_json_and_report(tiny_models, fitted, cli, tmp_
     assert [p.read_bytes() for p in maps] == before
 
 
+def test_cli_tune_selector_other_than_attention(tiny_models, fitted, cli, tmp_path):
+    """--selector protected: every setting is measured with it and it is what the map file records."""
+    maps = _copies(fitted, tmp_path)
+    r = cli("tune", tiny_models["llama"], "--maps", maps[0], "--budget", 10, *CLI_GRID, "--selector", "protected",
+            "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert {p["selector"] for p in d["points"]} == {"protected"} and d["defaults"]["selector"] == "protected"
+
+
 def test_cli_tune_bad_input(tiny_models, fitted, cli, tmp_path):
     maps = _copies(fitted, tmp_path)
     before = [p.read_bytes() for p in maps]
@@ -351,7 +361,7 @@ def test_cli_tune_bad_input(tiny_models, fitted, cli, tmp_path):
         (("--budget", 0.1, "--tails", "8,x"), "--tails must be comma-separated integers"),
         (("--budget", 0.1, "--fractions", "0,1.5"), r"exact fraction 1.5 outside \[0, 1\]"),
         (("--budget", 0.1, "--tails", "8,64", "--length", 256), "tail 64 is not below length/4"),
-        (("--budget", 0.1, "--selector", "random"), "--selector must be attention or none"),
+        (("--budget", 0.1, "--selector", "random"), r"--selector must be one of attention, attention\+protected, probe, protected, none"),
         (("--budget", 0.1, "--length", 4096, "--tails", "8"), "longer than the model's context"),
     ]
     for args, msg in cases:
