@@ -477,3 +477,20 @@ def test_smollm2_client_gone_during_a_planned_prompt(smollm2_path, tmp_path):
         log = s.log().split("planned prompt rows [0, 4000)")[1]
     # the cancelled request never got a response (it stopped before its first token)
     assert "stop processing" in log and "prompt eval time" not in log.split("stop processing")[0]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_through_the_server_equals_the_library(gemma3_path, tmp_path):
+    """The real Gemma 3 270M (sliding-window layers, Q4_K_M): RidgeFill and exact prefill through the
+    server against the library with the same settings (F32 KV, flash attention off, 256/64 batches)."""
+    rf = RidgeFill.identity(split=10)
+    prompt = _prompt(gemma3_path, 1200)
+    args = ["-c", "4096", "-np", "2", "-b", "256", "-ub", "64", "--threads", "2", "-ngl", "0", "-fa", "off",
+            "-ctk", "f32", "-ctv", "f32", "--no-warmup"]
+    with Server(gemma3_path, rf, extra_args=args, log_path=tmp_path / "s.log", startup_timeout=120) as s:
+        for value, lib_rf in ((True, rf), (False, None)):
+            res = _complete(s, prompt, n=6, ridgefill=value)
+            probs, tokens, _ = _library(gemma3_path, prompt, lib_rf, n=6)
+            got = _first_probs(res)
+            assert max(abs(got[t] - p) for t, p in probs.items() if t in got) < 5e-4
+            assert res["tokens"] == tokens[: len(res["tokens"])] and res["ridgefill"]["applied"] is value
