@@ -429,3 +429,64 @@ def test_key_scale_is_the_same_before_and_after_rope(arch, oracles, exact):
     before = key_scale(o, il, x, x_pred, torch.zeros_like(pos))
     assert torch.allclose(after, before, rtol=1e-12, atol=0)
     assert (after - 1).abs().max() > 1e-3  # the perturbation changed the key norms
+
+
+# ------------------------------------------------------------------------------------------------
+# qwen35: terminal-state correction groundwork (issue #5, oracle only; no libllama path yet)
+
+
+def test_qwen35_state_gains_boundary_split_and_least_squares(oracles, prompt, exact, maps, tiny_models):
+    from ridgefill_cpp.fit import calibration_tokens
+    from ridgefill_cpp.oracle.state_correction import (boundary_pair, evaluate_correction, fit_state_gains,
+                                                       gains_from_pairs, late_gdn_layers)
+    from ridgefill_cpp.prefill import Llama
+
+    o = oracles["qwen35"]
+    S = _split(o)
+    assert late_gdn_layers(o, S) == [3, 4]
+    kw = dict(split=S, maps=maps["qwen35"], tail=TAIL, exact_positions=select_attention_rows(o, prompt, split=S, tail=TAIL))
+    plain = fill_forward(o, prompt, **kw)
+    # the recurrence in two pieces (prefix, tail) is the one-piece recurrence: gains of 1 change nothing
+    ones = {il: torch.ones(o.cfg.n_v_heads, dtype=torch.float64) for il in (3, 4)}
+    same = fill_forward(o, prompt, **kw, state_gains=ones)
+    assert torch.equal(same.logits, plain.logits)
+    from ridgefill_cpp.oracle.qwen35 import GDNState, gdn_state_update
+    for il in (3, 4):
+        lw, cfg = o.layers[il], o.cfg
+        u = rms_norm(plain.layer_inputs[il], lw["attn_norm.weight"], cfg.rms_eps)
+        whole = gdn_state_update(lw, cfg, u, GDNState.zeros(cfg, torch.float64))
+        assert _rel(plain.gdn_states[il].ssm, whole.state.ssm) < TOL
+        assert _rel(plain.boundary_states[il].ssm, whole.row_states[N_TOKENS - TAIL - 1]) < TOL
+    # a gain of 0 at layer 4 empties the state the tail starts from: the tail rows see no prefix there
+    zero = fill_forward(o, prompt, **kw, state_gains={4: torch.zeros(o.cfg.n_v_heads, dtype=torch.float64)})
+    assert _rel(zero.logits, plain.logits) > 1e-6
+
+    # fitted on calibration windows: the least-squares gain per head (layer S fills from x_S, its exact
+    # input, so its boundary state is exact and its gain 1)
+    llm = Llama(str(tiny_models["qwen35"]), vocab_only=True, verbose=False)
+    try:
+        cal = calibration_tokens(llm, corpus.default_documents("calibration"), 6 * (N_TOKENS - 1))
+        bos = llm.token_bos()
+    finally:
+        llm.close()
+    windows = [[bos] + cal[i * (N_TOKENS - 1):(i + 1) * (N_TOKENS - 1)] for i in range(6)]
+    pairs = [boundary_pair(o, w, split=S, maps=maps["qwen35"], tail=TAIL) for w in windows]
+    gains = gains_from_pairs(pairs)
+    fitted = fit_state_gains(o, windows, split=S, maps=maps["qwen35"], tail=TAIL)
+    assert set(fitted) == {3, 4} and all(torch.equal(fitted[il], gains[il]) for il in (3, 4))
+    assert torch.allclose(gains[3], torch.ones_like(gains[3]), atol=1e-9)
+
+    def sq_error(il, g):
+        return sum(float(((p.filled[il] * g[:, None, None] - p.exact[il]) ** 2).sum()) for p in pairs)
+
+    for il in (3, 4):
+        best = sq_error(il, gains[il])
+        for h in range(o.cfg.n_v_heads):
+            for d in (-1e-3, 1e-3):
+                g = gains[il].clone()
+                g[h] += d
+                assert sq_error(il, g) > best
+    # held out (the test prompt): the corrected boundary state is nearer the exact one
+    rep = evaluate_correction(o, prompt, gains, split=S, maps=maps["qwen35"], tail=TAIL)
+    assert rep.boundary_without[3] < 1e-9 and rep.boundary_with[3] < 1e-9
+    assert rep.boundary_with[4] < rep.boundary_without[4]

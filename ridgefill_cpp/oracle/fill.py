@@ -65,7 +65,7 @@ from .common import Oracle
 
 if TYPE_CHECKING:
     from ..mapfile import RidgeMaps
-    from .qwen35 import GDNState
+    from .qwen35 import GDNState, GDNUpdate
 
 #: row roles (:attr:`FillOutput.roles`)
 ROLE_FILLED = 0  # prefix row filled at the late layers
@@ -104,6 +104,9 @@ class FillOutput:
     hidden_out: torch.Tensor  # [n_exact, n_embd]: the residual after the last layer, exact rows
     logits: torch.Tensor  # [1, n_vocab] (last row) or [T, n_vocab] (tail rows, tail_logits=True)
     gdn_states: dict[int, "GDNState"] = field(default_factory=dict)  # qwen35: GDN layer -> final state
+    #: qwen35, active plans: late GDN layer -> its state after the last prefix row (row N-T-1), before
+    #: any terminal-state correction (what ``state_gains`` multiplies)
+    boundary_states: dict[int, "GDNState"] = field(default_factory=dict)
     key_scales: torch.Tensor | None = None  # [L - S, n_head_kv] (key_rescale > 0), else None
     probe_scores: torch.Tensor | None = None  # [N]: the probe's scores (probe_queries > 0 / probe_fill_forward)
     n_probe: int = 0  # rows of the probe pass counted in the compute ratio (probe_fill_forward)
@@ -213,7 +216,7 @@ def _check_maps(oracle: Oracle, maps: "RidgeMaps", split: int, n_embd: int) -> N
 def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "RidgeMaps | None" = None,
                  tail: int, exact_positions: Sequence[int] = (), value_rescale: int = DEFAULT_VALUE_RESCALE,
                  key_rescale: int = 0, tail_logits: bool = False, probe_queries: int = 0,
-                 fixed: FillOutput | None = None) -> FillOutput:
+                 fixed: FillOutput | None = None, state_gains: dict[int, torch.Tensor] | None = None) -> FillOutput:
     """Filled-row prefill of `tokens` (a fresh sequence, positions 0..N-1), DESIGN §4.
 
     `split` S (1..L; S = L is the exact forward), `maps` the ridge maps fitted for S (None:
@@ -227,6 +230,10 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     attention the last n_q exact rows pay every row at each full-attention late layer (against the
     cache as it is there, filled rows included) into ``probe_scores``; `fixed` (a probe pass's
     output) gives the filled rows' late-layer K/V and the scales instead of computing them.
+
+    `state_gains` (qwen35): the terminal-state correction, late GDN layer -> per value-head gains
+    [n_v_heads]; the layer's recurrent (ssm) state after the last prefix row is multiplied by them
+    before the tail rows continue the recurrence (:mod:`ridgefill_cpp.oracle.state_correction`).
     """
     tokens = [int(t) for t in tokens]
     n, n_layer = len(tokens), oracle.n_layer
@@ -253,6 +260,7 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     keys: list[torch.Tensor | None] = [None] * n_layer
     values: list[torch.Tensor | None] = [None] * n_layer
     gdn_states: dict[int, GDNState] = {}
+    boundary_states: dict[int, GDNState] = {}
     value_scales = torch.ones(n_layer - split, oracle.n_head_kv, dtype=x.dtype)
     key_scales = torch.ones(n_layer - split, oracle.n_head_kv, dtype=x.dtype) if key_rescale > 0 else None
     probe_scores = torch.zeros(n, dtype=x.dtype) if probe_queries > 0 else None
@@ -293,8 +301,21 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
 
         if oracle.is_recurrent(il):
             # §4.4: the recurrence runs over every row in position order, each row's input being
-            # exact or predicted; only the exact rows read the state out and go on
-            upd = oracle.gdn_update(il, layer_inputs[il], keep_row_states=True)
+            # exact or predicted; only the exact rows read the state out and go on. It runs in two
+            # pieces, the prefix and the tail, so that the state at the boundary can be read and
+            # corrected (the same row-by-row arithmetic as one piece)
+            from .qwen35 import GDNState, GDNUpdate
+
+            b = n - tail
+            head = oracle.gdn_update(il, layer_inputs[il, :b], keep_row_states=True)
+            boundary_states[il] = head.state
+            start = head.state
+            if state_gains is not None and il in state_gains:
+                start = GDNState(conv=head.state.conv, ssm=head.state.ssm * state_gains[il].to(x.dtype)[:, None, None])
+            rest = oracle.gdn_update(il, layer_inputs[il, b:], state=start, keep_row_states=True)
+            upd = GDNUpdate(state=rest.state, q=torch.cat([head.q, rest.q]),
+                            row_states=torch.cat([head.row_states, rest.row_states]),
+                            beta=torch.cat([head.beta, rest.beta]), g=torch.cat([head.g, rest.g]))
             x_exact = oracle.gdn_layer_output(il, layer_inputs[il], upd, exact)
             gdn_states[il] = upd.state
             continue
@@ -337,6 +358,7 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
                   value_scales, n_scale_rows, x_exact, tail_logits, gdn_states)
     out.key_scales = key_scales
     out.probe_scores = probe_scores
+    out.boundary_states = boundary_states
     return out
 
 
