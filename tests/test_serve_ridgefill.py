@@ -494,3 +494,27 @@ def test_gemma3_270m_through_the_server_equals_the_library(gemma3_path, tmp_path
             got = _first_probs(res)
             assert max(abs(got[t] - p) for t, p in probs.items() if t in got) < 5e-4
             assert res["tokens"] == tokens[: len(res["tokens"])] and res["ridgefill"]["applied"] is value
+
+
+def test_measure_server_tool_runs_end_to_end(tiny_models, tmp_path):
+    """tools/measure_server.py (the TTFT figures of the README) on the tiny model: both variants timed
+    in one server, the plan applied, the concurrency and streaming figures present."""
+    import subprocess
+    import sys
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "measure_server.py"
+    out = tmp_path / "server.json"
+    run = subprocess.run([sys.executable, str(tool), str(tiny_models["llama"]), "--split", "3", "--n-prompt", "300",
+                          "--repeats", "2", "--clients", "2", "--threads", "1", "--min-prompt", "64",
+                          "--extra", "-b 64 -ub 64", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert len(d["ttft_s"]["exact"]) == len(d["ttft_s"]["ridgefill"]) == 2 and d["speedup"] > 0
+    st = d["ridgefill_stats"]
+    assert st["applied"] and st["n_prompt"] == 300 and st["split_layer"] == 3
+    for name in ("exact", "ridgefill"):
+        assert len(d["concurrent"][name]["ttft_s"]) == 2
+        g = d["generation_during_prefill"][name]
+        assert 0 < g["median_gap_s"] <= g["max_gap_s"]
+    assert d["generation_during_prefill"]["ridgefill"]["applied"] and not d["generation_during_prefill"]["exact"]["applied"]
+    assert "speedup" in run.stdout and "ceiling" in run.stdout

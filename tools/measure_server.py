@@ -98,10 +98,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-prompt", type=int, default=1024, help="RidgeFill's minimum prompt (rows)")
+    ap.add_argument("--extra", default="", help="more llama-server arguments, space-separated")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
-    rf = RidgeFill(a.maps) if a.maps else RidgeFill.identity(split=a.split)
+    rf = RidgeFill(a.maps, min_prompt=a.min_prompt) if a.maps else RidgeFill.identity(split=a.split, min_prompt=a.min_prompt)
     llm = Llama(str(a.model), vocab_only=True, verbose=False)
     try:
         toks = prompt_tokens(llm, a.n_prompt + 64 * a.clients)
@@ -110,7 +112,8 @@ def main() -> int:
     prompt = toks[: a.n_prompt]
     others = [toks[:1] + toks[1 + 64 * i: a.n_prompt + 64 * i] for i in range(a.clients)]
     n_ctx = a.n_prompt * a.clients + 256
-    extra = ["-c", str(n_ctx), "-np", str(a.clients), "--threads", str(a.threads), "-ngl", "0", "--no-warmup"]
+    extra = ["-c", str(n_ctx), "-np", str(a.clients), "--threads", str(a.threads), "-ngl", "0", "--no-warmup",
+             *a.extra.split()]
     res: dict = {"model": str(a.model), "maps": str(a.maps) if a.maps else None, "split": a.split,
                  "n_prompt": a.n_prompt, "repeats": a.repeats, "clients": a.clients, "threads": a.threads}
     with Server(a.model, rf, extra_args=extra, startup_timeout=300) as srv:
