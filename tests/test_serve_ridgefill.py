@@ -255,6 +255,9 @@ def test_prompt_cache_never_serves_approximate_rows_to_an_exact_request(tiny, ti
     # a RidgeFill request reuses the approximate rows (it accepted the approximation) ...
     res = _complete(tiny, a[:610], **slot)
     assert res["timings"]["cache_n"] == 600 and res["ridgefill"]["applied"] is False  # 10 new rows: stock
+    # a planned prompt over approximate rows keeps them approximate: rows 400.. stay so, 610.. are filled
+    res = _complete(tiny, a[:690], **slot)
+    assert res["timings"]["cache_n"] == 610 and res["ridgefill"]["applied"] and res["ridgefill"]["n_prompt"] == 80
     # ... an exact one stops at the first approximate row, and still equals stock prefill
     res = _complete(tiny, a[:650], ridgefill=False, **slot)
     assert res["timings"]["cache_n"] == 400
