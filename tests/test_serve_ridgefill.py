@@ -277,6 +277,32 @@ def test_prompt_cache_never_serves_approximate_rows_to_an_exact_request(tiny, ti
     assert res["timings"]["cache_n"] == 650
 
 
+def test_host_memory_prompt_cache_keeps_the_approximate_mark(tiny_models, tmp_path):
+    """One slot and llama-server's host-memory prompt cache (--cache-ram): a RidgeFill prompt saved there
+    when another prompt takes the slot, and loaded back for a request with its prefix, is still known to
+    be approximate: an exact request reuses only its exact rows (and equals stock), a RidgeFill request
+    reuses all of it."""
+    model = tiny_models["llama"]
+    args = [a if a != "4" else "1" for a in TINY_ARGS] + ["--cache-ram", "64"]  # -np 1
+    a, b = _prompt(model, 400, shift=31), _prompt(model, 300, shift=500)
+    with Server(model, RidgeFill.identity(**TINY_RF), extra_args=args, log_path=tmp_path / "s.log", startup_timeout=60) as s:
+        res = _complete(s, a, cache_prompt=True)
+        assert res["ridgefill"]["applied"] and res["timings"]["cache_n"] == 0
+        res = _complete(s, b, cache_prompt=True, ridgefill=False)  # takes the slot: a goes to the host cache
+        assert res["timings"]["cache_n"] <= 1
+        # an exact request with a's prefix: a comes back from the host cache, only its exact rows count
+        res = _complete(s, a[:380], cache_prompt=True, ridgefill=False)
+        assert res["timings"]["cache_n"] == 0
+        _assert_same(res, _library(model, a[:380], None))
+        # (that exact prompt is cached now; a RidgeFill request after a's approximate version again)
+        _complete(s, a, cache_prompt=True)  # approximate again, in the slot
+        _complete(s, b, cache_prompt=True, ridgefill=False)  # a to the host cache
+        # RidgeFill: reuses the approximate rows - which only the host cache can have brought back, so
+        # the exact request above (cache_n 0, not 380) read a's mark from there too
+        res = _complete(s, a[:390] + [7, 8], cache_prompt=True)
+        assert res["timings"]["cache_n"] == 390
+
+
 def test_four_slots_concurrent_equal_alone_also_while_one_generates(tiny, tiny_models):
     model = tiny_models["llama"]
     prompts = [_prompt(model, 300 + 20 * i, shift=11 * i) for i in range(3)]
