@@ -124,9 +124,9 @@ def greedy_continuation(llm, first_logits: np.ndarray, n: int) -> list[int]:
 def prompt_tokens(llm, n: int) -> list[int]:
     """``n`` prompt tokens of the evaluation split of the default corpus (BOS first when the model uses one)."""
     from .corpus import default_documents
-    from .fit import calibration_tokens
+    from .fit import bos_prefix, calibration_tokens
 
-    bos = [llm.token_bos()] if llm._model.add_bos_token() and llm.token_bos() >= 0 else []
+    bos = bos_prefix(llm)
     body = calibration_tokens(llm, default_documents("evaluation"), n - len(bos))
     if len(body) < n - len(bos):
         raise ValueError(f"the evaluation text has only {len(body)} tokens, {n} were asked for")

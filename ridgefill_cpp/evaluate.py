@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import metrics
+from .fit import bos_prefix
 
 LICENCE_DIR = Path("/usr/share/common-licenses")
 LICENCE_NOTE = ("licence texts in /usr/share/common-licenses (Debian base-files; each licence permits verbatim "
@@ -363,7 +364,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
 
     run = _Runner(model, info, lengths[-1] + 16, options)
     try:
-        bos = [run.llm.token_bos()] if run.llm._model.add_bos_token() and run.llm.token_bos() >= 0 else []
+        bos = bos_prefix(run.llm)
 
         def tokenize(text: str) -> list[int]:
             return run.llm.tokenize(text.encode(), add_bos=False, special=False)

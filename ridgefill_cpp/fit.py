@@ -175,6 +175,12 @@ def _rel_err(pred: torch.Tensor, true: torch.Tensor, eps: float) -> torch.Tensor
     return (p - t).norm(dim=-1) / t.norm(dim=-1)
 
 
+def bos_prefix(llm) -> list[int]:
+    """``[BOS]`` when the model's tokenizer adds one to a prompt, else ``[]``."""
+    bos = llm.token_bos()
+    return [bos] if llm._model.add_bos_token() and bos >= 0 else []
+
+
 def calibration_tokens(llm, documents: Iterable[Document], budget: int) -> list[int]:
     """Tokens of ``documents`` (model tokenizer, no BOS), separated by EOS, up to ``budget``."""
     eos = llm.token_eos()
@@ -201,8 +207,7 @@ class _WindowCapture:
         self.llm = open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
         self.layers = list(layers)
         self.ctx = ctx
-        bos = self.llm.token_bos()
-        self.bos = [bos] if self.llm._model.add_bos_token() and bos >= 0 else []
+        self.bos = bos_prefix(self.llm)
         self.n_embd = self.llm.n_embd()
         for il in self.layers:
             llama_ridgefill_capture_layer_input(self.llm._ctx.ctx, il, True)

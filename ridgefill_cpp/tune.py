@@ -219,6 +219,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     import ridgefill_cpp
 
     from .evaluate import EvalOptions, _nll, _Runner, build_documents, default_texts, text_sources
+    from .fit import bos_prefix
     from .gguf_model import read_model_info
     from .mapfile import map_file_splits, write_tuned_defaults
 
@@ -265,7 +266,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     ceilings: list[list[float]] = [[] for _ in res.points]
     n_exacts: list[list[float]] = [[] for _ in res.points]
     try:
-        bos = [run.llm.token_bos()] if run.llm._model.add_bos_token() and run.llm.token_bos() >= 0 else []
+        bos = bos_prefix(run.llm)
 
         def tokenize(text: str) -> list[int]:
             return run.llm.tokenize(text.encode(), add_bos=False, special=False)
