@@ -37,9 +37,6 @@ from typing import Callable, Sequence
 
 from .prefill import DEFAULT_PROTECTED, RidgeFill, protected_mask
 
-#: architectures libllama's filled-row prefill supports (csrc/llama-ridgefill-context.cpp refuses the rest)
-PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3")
-
 #: RidgeFill settings that have no llama-server flag: they must keep their defaults to be served
 _NO_SERVER_FLAG = ("value_rescale", "key_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement")
 
@@ -101,7 +98,7 @@ def check_ridgefill(model: str | os.PathLike, ridgefill: RidgeFill | str | os.Pa
     dimensions, fingerprint; :func:`ridgefill_cpp.mapfile.map_file_splits`), the split, the
     architecture, and settings the server has flags for. Raises ``ValueError`` (``GGUFFileError`` /
     ``MapFileError`` are ``ValueError`` s) saying what is wrong."""
-    from .gguf_model import read_model_info
+    from .gguf_model import PREFILL_ARCHITECTURES, read_model_info
     from .mapfile import map_file_splits
 
     info = read_model_info(model)

@@ -183,15 +183,14 @@ int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_
     stats["requested"] = req.enabled;
     stats["applied"]   = false;
     stats["n_prompt"]  = n_rows;
+    const llama_ridgefill_params p = params_for(req);
     if (!wants(req, n_rows)) {
-        const llama_ridgefill_params p = params_for(req);
         stats["reason"] = !req.enabled ? "exact prefill requested" :
                           n_rows <= p.n_tail ? "no more new prompt rows than the tail" :
                           "fewer new prompt rows than --ridgefill-min-prompt";
         return 0;
     }
 
-    const llama_ridgefill_params p = params_for(req);
     if (!is_attached || !rf_same_params(p, attached)) {
         // the request's settings differ from the attached ones: attach them (a setting the context
         // refuses leaves nothing attached; the next plan attaches again)
