@@ -9,6 +9,8 @@
 #include "llama-impl.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-recurrent.h"
 #include "llama-model.h"
 
 #include <algorithm>
@@ -25,11 +27,14 @@
 
 namespace {
 
-// the KV caches of a context's memory: the full-attention one, and the sliding-window one of iSWA models
+// the caches of a context's memory: the full-attention KV cache, the sliding-window one of iSWA
+// models, and the recurrent states of hybrid models
 struct rf_caches {
-    llama_kv_cache      * base = nullptr;
-    llama_kv_cache      * swa  = nullptr;
-    llama_kv_cache_iswa * iswa = nullptr;
+    llama_kv_cache         * base   = nullptr;
+    llama_kv_cache         * swa    = nullptr;
+    llama_kv_cache_iswa    * iswa   = nullptr;
+    llama_memory_hybrid    * hybrid = nullptr;
+    llama_memory_recurrent * recr   = nullptr;
 };
 
 rf_caches rf_get_caches(llama_memory_i * mem) {
@@ -38,11 +43,53 @@ rf_caches rf_get_caches(llama_memory_i * mem) {
         res.iswa = iswa;
         res.base = iswa->get_base();
         res.swa  = iswa->get_swa();
+    } else if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        res.hybrid = hybrid;
+        res.base   = hybrid->get_mem_attn();
+        res.recr   = hybrid->get_mem_recr();
     } else {
         res.base = dynamic_cast<llama_kv_cache *>(mem);
     }
     return res;
 }
+
+// the recurrent cell holding a sequence's state (-1: none)
+int32_t rf_recr_cell(const llama_memory_recurrent * recr, llama_seq_id seq_id) {
+    if (recr == nullptr || seq_id < 0 || (uint32_t) seq_id >= recr->size) {
+        return -1;
+    }
+    return recr->cells[seq_id].tail;
+}
+
+// the recurrent state (conv state, then ssm state; F32) of layer il in a cell of the recurrent memory
+std::vector<float> rf_read_state(const llama_memory_recurrent * recr, int32_t il, int32_t cell) {
+    GGML_ASSERT(recr && cell >= 0 && (uint32_t) cell < recr->size);
+    std::vector<float> res;
+    for (ggml_tensor * t : { recr->r_l[il], recr->s_l[il] }) {
+        GGML_ASSERT(t->type == GGML_TYPE_F32);
+        const size_t row = ggml_nbytes(t)/recr->size;
+        const size_t n0  = res.size();
+        res.resize(n0 + row/sizeof(float));
+        ggml_backend_tensor_get(t, res.data() + n0, (size_t) cell*row, row);
+    }
+    return res;
+}
+
+void rf_write_state(const llama_memory_recurrent * recr, int32_t il, int32_t cell, const std::vector<float> & state) {
+    GGML_ASSERT(recr && cell >= 0 && (uint32_t) cell < recr->size);
+    size_t off = 0;
+    for (ggml_tensor * t : { recr->r_l[il], recr->s_l[il] }) {
+        const size_t row = ggml_nbytes(t)/recr->size;
+        GGML_ASSERT((off + row/sizeof(float)) <= state.size());
+        ggml_backend_tensor_set(t, state.data() + off, (size_t) cell*row, row);
+        off += row/sizeof(float);
+    }
+}
+
+// a memory context over rows already in the memory: the KV cells `cells` of the ubatch's rows; for
+// hybrid models also the recurrent state of cell rs_cell, continued (rs_zero: from a zeroed state)
+llama_memory_context_ptr rf_reuse_context(const rf_caches & caches, llama_seq_id seq_id, const llama_ubatch & ub,
+        const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_swa, int32_t rs_cell, bool rs_zero);
 
 bool rf_is_full_attention(const llama_hparams & hparams, int il) {
     return !hparams.is_swa(il) && !hparams.is_recr(il);
@@ -96,12 +143,38 @@ llama_kv_cache::slot_info rf_reuse_slot(const llama_kv_cache * kv, llama_seq_id 
     return sinfo;
 }
 
-// a ubatch of rows of one sequence at the given positions, no tokens (the inputs come from x_S)
-llama_ubatch rf_make_ubatch(llama_seq_id seq_id, const std::vector<llama_pos> & pos, bool output_last) {
+llama_memory_context_ptr rf_reuse_context(const rf_caches & caches, llama_seq_id seq_id, const llama_ubatch & ub,
+        const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_swa, int32_t rs_cell, bool rs_zero) {
+    if (caches.iswa) {
+        return std::make_unique<llama_kv_cache_iswa_context>(caches.iswa,
+                llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, seq_id, cells) },
+                llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.swa,  seq_id, cells_swa) },
+                std::vector<llama_ubatch> { ub });
+    }
+    if (caches.hybrid) {
+        GGML_ASSERT(rs_cell >= 0);
+        return std::make_unique<llama_memory_hybrid_context>(caches.hybrid,
+                llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, seq_id, cells) },
+                std::vector<llama_ubatch> { ub }, (uint32_t) rs_cell, rs_zero ? rs_cell : -1);
+    }
+    return std::make_unique<llama_kv_cache_context>(caches.base,
+            llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, seq_id, cells) },
+            std::vector<llama_ubatch> { ub });
+}
+
+// a ubatch of rows of one sequence at the given positions, no tokens (the inputs come from x_S);
+// n_pos positions per row (M-RoPE: 4, section-major, text rows: p, p, p, 0)
+llama_ubatch rf_make_ubatch(llama_seq_id seq_id, const std::vector<llama_pos> & pos, bool output_last, uint32_t n_pos = 1) {
     auto data = std::make_shared<llama_ubatch::data_t>();
     const uint32_t n = pos.size();
 
-    data->pos        = pos;
+    data->pos.assign((size_t) n*n_pos, 0);
+    for (uint32_t k = 0; k < std::min<uint32_t>(n_pos, 3); ++k) {
+        std::copy(pos.begin(), pos.end(), data->pos.begin() + (size_t) k*n);
+    }
+    if (n_pos == 1) {
+        data->pos = pos;
+    }
     data->n_seq_id   .assign(n, 1);
     data->seq_id_data.assign(1, seq_id);
     data->seq_id     .assign(n, data->seq_id_data.data());
@@ -116,12 +189,12 @@ llama_ubatch rf_make_ubatch(llama_seq_id seq_id, const std::vector<llama_pos> & 
     std::iota(data->batch_idxs.begin(), data->batch_idxs.end(), 0);
 
     llama_ubatch ub {
-        /*.b_equal_seqs =*/ 0,
+        /*.b_equal_seqs =*/ 1, // one sequence (the recurrent layers need it)
         /*.n_tokens     =*/ n,
         /*.n_seq_tokens =*/ n,
         /*.n_seqs       =*/ 1,
         /*.n_seqs_unq   =*/ 1,
-        /*.n_pos        =*/ 1,
+        /*.n_pos        =*/ n_pos,
         /*.token        =*/ nullptr,
         /*.embd         =*/ nullptr,
         /*.pos          =*/ data->pos.data(),
@@ -151,9 +224,10 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
         case LLM_ARCH_LLAMA:
         case LLM_ARCH_QWEN3:
         case LLM_ARCH_GEMMA3:
+        case LLM_ARCH_QWEN35:
             break;
         default:
-            return format("architecture '%s' is not supported by RidgeFill prefill (supported: llama, qwen3, gemma3)",
+            return format("architecture '%s' is not supported by RidgeFill prefill (supported: llama, qwen3, gemma3, qwen35)",
                     llm_arch_name(model.arch));
     }
     if (model.arch == LLM_ARCH_LLAMA && hparams.n_expert > 0) {
@@ -219,6 +293,19 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (params.splice < LLAMA_RIDGEFILL_SPLICE_NONE || params.splice > LLAMA_RIDGEFILL_SPLICE_KV) {
         return format("unknown splice mode %d", params.splice);
     }
+    if (params.state_correction < LLAMA_RIDGEFILL_STATE_CORRECTION_NONE || params.state_correction > LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN) {
+        return format("unknown state correction %d", params.state_correction);
+    }
+    if (params.state_correction == LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN && params.split_layer < n_layer - 1) {
+        bool any_recurrent = false;
+        for (int32_t il = params.split_layer + 1; il < n_layer; ++il) {
+            any_recurrent = any_recurrent || hparams.is_recr(il);
+        }
+        if (any_recurrent && !llama_ridgefill_maps_has_state_gains(maps)) {
+            return "the state correction 'gain' needs maps with state gains (ridgefill-gguf fit --state-gains); "
+                   "these maps have none (or identity fill has no maps)";
+        }
+    }
     if ((params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION || params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED) &&
         params.split_layer < n_layer) {
         if (params.sel_layer < 0) {
@@ -237,7 +324,11 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     }
     const rf_caches caches = rf_get_caches(lctx.get_memory());
     if (!caches.base) {
-        return "RidgeFill prefill needs a KV-cache memory (this model's memory is recurrent or hybrid)";
+        return "RidgeFill prefill needs a KV-cache or hybrid memory (this model's memory is recurrent only)";
+    }
+    if (caches.recr && cparams.n_rs_seq > 0) {
+        return format("recurrent-state rollback snapshots (n_rs_seq = %u) are not supported by RidgeFill prefill: "
+                "create the context with n_rs_seq = 0", cparams.n_rs_seq);
     }
     if (caches.base->get_n_stream() != 1) {
         return "RidgeFill prefill needs a single KV stream (kv_unified = true, or n_seq_max = 1)";
@@ -330,6 +421,9 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
     }
     if (err.empty() && n_plan > 0 && n_other > 0) {
         err = "a batch holds rows of the planned prompt and rows of other sequences";
+    }
+    if (err.empty() && n_plan > 0 && !batch.token && model.hparams.n_pos_per_embd() > 1) {
+        err = "rows given as embeddings with multi-section positions (M-RoPE) are not supported by RidgeFill prefill";
     }
     if (!err.empty()) {
         llama_ridgefill_set_error("llama_decode", err + "; the RidgeFill plan is dropped and its rows removed");
@@ -429,18 +523,47 @@ bool llama_ridgefill_context::reserve() {
 
     const uint32_t n_outputs_saved = lctx.n_outputs;
     ggml_backend_sched_t sched = lctx.sched.get();
+    const rf_caches caches = rf_get_caches(lctx.get_memory());
 
-    // the scheduler keeps the largest buffers of the graphs it reserves: an early ubatch, a late
-    // chunk through the last layer (logits), and a late chunk of the first late layer (its graph
-    // is laid out differently: input from x_S, output stored for the next layer)
-    bool ok = true;
-    for (int phase = 0; phase < 3 && ok; ++phase) {
-        const bool late  = phase > 0;
-        const bool first = phase == 2;
-        if (first && S >= n_layer - 1) {
-            break; // the first late layer is the last
+    // the late layer a graph of phase `phase` runs (-1: none): the last layer (with logits; probe
+    // selector: from the last full-attention layer, whose graph also scores), the first late layer
+    // S (its graph is laid out differently: input from x_S, output stored for the next layer), and
+    // the first recurrent late layer (a chunk of every row: filled and exact rows merged)
+    auto late_layer = [&](int phase) -> int32_t {
+        if (phase == 1) {
+            int32_t il = n_layer - 1;
+            if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE) {
+                while (il > S && !rf_is_full_attention(hparams, il)) {
+                    il--;
+                }
+            }
+            return il;
         }
-        llama_ubatch ub = rf_make_ubatch(0, pos, phase == 1);
+        if (phase == 2) {
+            return S < n_layer - 1 ? S : -1;
+        }
+        // phases 3, 4
+        for (int32_t il = S; il < n_layer; ++il) {
+            if (hparams.is_recr(il)) {
+                return il;
+            }
+        }
+        return -1;
+    };
+
+    // the scheduler keeps the largest buffers of the graphs it reserves: an early ubatch and the
+    // late graphs above (the recurrent one twice: with half of its rows filled, and all exact)
+    bool ok = true;
+    for (int phase = 0; phase < 5 && ok; ++phase) {
+        const bool    late   = phase > 0;
+        const int32_t il_res = late ? late_layer(phase) : -1;
+        if (late && il_res < 0) {
+            continue;
+        }
+        const bool last = late && (phase == 1 || il_res == n_layer - 1);
+        const bool gdn  = late && hparams.is_recr(il_res);
+
+        llama_ubatch ub = rf_make_ubatch(0, pos, false, hparams.n_pos_per_embd());
 
         cur = {};
         cur.model = &model;
@@ -459,41 +582,55 @@ bool llama_ridgefill_context::reserve() {
                 cur.scores    = scores;
                 cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
             }
+        } else if (gdn) {
+            // a chunk of rows, half filled (x̂ from the maps) and half exact, or all exact
+            const uint32_t n_f = phase == 3 ? n_tokens/2 : 0;
+            const uint32_t n_x = n_tokens - n_f;
+            cur.gdn      = true;
+            cur.il_begin = il_res;
+            cur.il_end   = last ? n_layer : il_res + 1;
+            cur.src      = il_res == S ? xs : xx;
+            cur.m_f_rows.assign(n_f, 0);
+            cur.src_rows.assign(n_x, 0);
+            cur.m_perm.resize(n_tokens);
+            std::iota(cur.m_perm.begin(), cur.m_perm.end(), 0);
+            cur.x_ids.resize(n_x);
+            std::iota(cur.x_ids.begin(), cur.x_ids.end(), n_f);
+            if (last) {
+                cur.out_ids = { (int32_t) n_x - 1 };
+            } else {
+                cur.dst = xx;
+                cur.dst_rows.assign(n_x, 0);
+            }
         } else {
-            // a chunk of exact rows with the fill and the value scale, through the last layer
-            // (probe selector: from the last full-attention layer, whose graph also scores) or
-            // through the first late layer S; the most filled rows a prompt can have, n_ctx - 1, in
-            // the fill steps they need (the index inputs and the steps are as large as they get)
+            // a chunk of exact rows with the fill and the value scale; the most filled rows a prompt
+            // can have, n_ctx - 1, in the fill steps they need (the index inputs and the steps are as
+            // large as they get)
             const int32_t n_f     = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
             const int32_t n_chunk = fill_chunk(n_f);
-            int32_t il_res = first ? S : n_layer - 1;
-            if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE) {
-                while (!first && il_res > S && !rf_is_full_attention(hparams, il_res)) {
-                    il_res--;
-                }
-                if (rf_is_full_attention(hparams, il_res)) {
-                    cur.sel_layer = il_res;
-                    cur.scores    = scores;
-                    cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
-                }
+            if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && phase == 1 && rf_is_full_attention(hparams, il_res)) {
+                cur.sel_layer = il_res;
+                cur.scores    = scores;
+                cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
             }
             cur.il_begin   = il_res;
-            cur.il_end     = first ? S + 1 : n_layer;
-            cur.src        = first ? xs : xx;
+            cur.il_end     = last ? n_layer : il_res + 1;
+            cur.src        = il_res == S ? xs : xx;
             cur.src_rows.assign(n_tokens, 0);
-            if (first) {
+            if (last) {
+                cur.out_ids = { (int32_t) n_tokens - 1 };
+            } else {
                 cur.dst = xx;
                 cur.dst_rows.assign(n_tokens, 0);
             }
             cur.fill_layer = il_res;
             cur.n_chunk    = n_chunk;
             cur.f_rows.assign(n_f, 0);
-            cur.f_pos.assign(n_f, 0);
+            cur.f_pos.assign((size_t) n_f*hparams.n_pos_per_embd(), 0);
             cur.f_cells.assign(n_f, 0);
             if (hparams.is_swa_any()) {
                 cur.f_cells_swa.assign(n_f, 0);
             }
-            const rf_caches caches = rf_get_caches(lctx.get_memory());
             if (caches.base->get_v_trans()) {
                 cur.f_vidx.assign((size_t) n_f*hparams.n_embd_v_gqa_max(), 0);
                 if (caches.swa) {
@@ -501,7 +638,7 @@ bool llama_ridgefill_context::reserve() {
                 }
             }
             const int32_t n_r = std::min(params.n_rescale, params.n_tail);
-            cur.r_src = first ? xs : xx;
+            cur.r_src = il_res == S ? xs : xx;
             cur.r_src_rows.assign(n_r, 0);
             cur.r_rows.assign(n_r, 0);
             const int32_t n_rk = std::min(params.n_key_rescale, params.n_tail);
@@ -509,7 +646,7 @@ bool llama_ridgefill_context::reserve() {
             cur.rk_rows.assign(n_rk, 0);
         }
 
-        lctx.n_outputs = phase == 1 ? 1 : 0;
+        lctx.n_outputs = last ? 1 : 0;
         ggml_backend_sched_reset(sched);
         res_late->reset();
         graph_active = true;
@@ -721,6 +858,19 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
             }
         }
         const int32_t n_f = cur.f_rows.size();
+        cur.n_chunk = fill_chunk(n_f);
+        const uint32_t n_pos = hparams.n_pos_per_embd();
+        if (n_pos > 1) {
+            // M-RoPE: each fill step's positions section-major (text rows: p, p, p, 0)
+            std::vector<int32_t> pos4((size_t) n_f*n_pos, 0);
+            for (int32_t i0 = 0; i0 < n_f; i0 += cur.n_chunk) {
+                const int32_t nc = std::min(cur.n_chunk, n_f - i0);
+                for (uint32_t k = 0; k < std::min<uint32_t>(n_pos, 3); ++k) {
+                    std::copy_n(cur.f_pos.begin() + i0, nc, pos4.begin() + (size_t) i0*n_pos + (size_t) k*nc);
+                }
+            }
+            cur.f_pos = std::move(pos4);
+        }
         if (caches.base->get_v_trans()) {
             const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
             auto fill_vidx = [&](const llama_kv_cache * kv, const std::vector<int64_t> & c, std::vector<int64_t> & out) {
@@ -737,7 +887,6 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
                 fill_vidx(caches.swa, cur.f_cells_swa, cur.f_vidx_swa);
             }
         }
-        cur.n_chunk = fill_chunk(n_f);
     };
 
     const int32_t n_scale_rows = std::min(params.n_rescale, T);
@@ -764,6 +913,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     std::vector<llama_pos> exact;
     int32_t n_probe = 0;
     std::string err;
+    boundary_states.clear();
 
     if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && !p.exact_set) {
         // probe pass (DESIGN §5): every prefix row filled (with the value and key scales of this
@@ -772,9 +922,23 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
         // exactly, with the tail again (it attends to them), over the cells the probe filled
         set_roles(is_exact, X);
         ggml_backend_tensor_memset(scores, 0, 0, ggml_nbytes(scores));
+        // the probe pass runs the late recurrent layers over every row: their states are put back
+        // for the second pass (a sequence from position 0 starts from zero anyway)
+        std::map<int32_t, std::vector<float>> saved;
+        const int32_t rs_cell = rf_recr_cell(caches.recr, p.seq_id);
+        if (caches.recr && rs_cell >= 0 && p.pos0 > 0) {
+            for (int32_t il = S; il < n_layer; ++il) {
+                if (hparams.is_recr(il)) {
+                    saved[il] = rf_read_state(caches.recr, il, rs_cell);
+                }
+            }
+        }
         err = run_late(lctx, p, X, cells, cells_swa, /*fill =*/ true, std::min(params.n_sel_queries, T), /*logits =*/ true);
         if (!err.empty()) {
             return fail(err);
+        }
+        for (const auto & [il, state] : saved) {
+            rf_write_state(caches.recr, il, rs_cell, state);
         }
         exact = select_exact(p, cells, n_prefix);
         if (!exact.empty()) {
@@ -838,9 +1002,24 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
     GGML_ASSERT(n_x >= T && X[n_x - T] == n_prefix);
 
     const uint32_t n_ubatch = lctx.get_cparams().n_ubatch;
+    const uint32_t n_pos    = hparams.n_pos_per_embd();
     const int32_t n_scale_rows = fill ? std::min(params.n_rescale, T) : 0;
     const int32_t n_key_rows   = fill ? std::min(params.n_key_rescale, T) : 0;
     const size_t  n_head_kv_max = last_v_scales.size()/(n_layer - S);
+
+    // hybrid models: the recurrent cell of the sequence, whose late layers' states continue here
+    const int32_t rs_cell = rf_recr_cell(caches.recr, p.seq_id);
+    if (caches.recr && rs_cell < 0) {
+        return format("sequence %d has no recurrent state", p.seq_id);
+    }
+
+    // the row of each planned row among the exact rows X (the row of xx holding its state), -1: filled
+    std::vector<int32_t> xi(N, -1);
+    for (int32_t k = 0; k < n_x; ++k) {
+        xi[X[k]] = k;
+    }
+    std::vector<int32_t> all_rows(N);
+    std::iota(all_rows.begin(), all_rows.end(), 0);
 
     cur.model  = &model;
     cur.maps   = maps;
@@ -862,85 +1041,107 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
     ggml_backend_sched_t sched = lctx.sched.get();
     std::string err;
 
-    // the late layers, layer-major; within a layer the exact rows in chunks of n_ubatch, in position
-    // order (a chunk attends to the rows of the chunks before it, already written)
+    // the late layers, layer-major. Within an attention layer the exact rows in chunks of n_ubatch,
+    // in position order (a chunk attends to the rows of the chunks before it, already written);
+    // within a recurrent layer every row in position order, in chunks of n_ubatch that start anew at
+    // the tail (its first chunk may start from the corrected state)
     for (int32_t il = S; il < n_layer && err.empty(); ++il) {
         const bool last_layer = il == n_layer - 1;
+        const bool recurrent  = hparams.is_recr(il);
         const bool probe      = n_query > 0 && rf_is_full_attention(hparams, il);
 
-        for (int32_t c0 = 0; c0 < n_x; c0 += n_ubatch) {
-            const int32_t nc = std::min<int32_t>(n_ubatch, n_x - c0);
+        const std::vector<int32_t> & rows = recurrent ? all_rows : X;
+        std::vector<std::pair<int32_t, int32_t>> chunks;
+        for (int32_t c0 = 0; c0 < (int32_t) rows.size(); ) {
+            const int32_t end = recurrent && c0 < n_prefix ? n_prefix : (int32_t) rows.size();
+            const int32_t c1  = std::min<int32_t>(c0 + n_ubatch, end);
+            chunks.emplace_back(c0, c1);
+            c0 = c1;
+        }
+
+        for (const auto & [c0, c1] : chunks) {
+            const int32_t nc = c1 - c0;
 
             std::vector<llama_pos> pos(nc);
-            std::vector<uint32_t>  xc(nc), xc_swa(caches.swa ? nc : 0);
+            std::vector<uint32_t>  kc(nc), kc_swa(caches.swa ? nc : 0);
             for (int32_t i = 0; i < nc; ++i) {
-                const int32_t j = X[c0 + i];
+                const int32_t j = rows[c0 + i];
                 pos[i] = p.pos0 + j;
-                xc[i]  = cells[j];
+                kc[i]  = cells[j];
                 if (caches.swa) {
-                    xc_swa[i] = cells_swa[j];
+                    kc_swa[i] = cells_swa[j];
                 }
             }
-            // the last layer outputs the logits of the chunk's rows that asked for them (at least one
-            // row: a graph needs an output; a row nobody asked for is discarded)
-            std::vector<int32_t> out_idx; // batch index per output row, -1: discarded
-            llama_ubatch ub = rf_make_ubatch(p.seq_id, pos, false);
-            if (last_layer) {
-                for (int32_t i = 0; i < nc && logits; ++i) {
-                    for (const auto & [op, bi] : p.out_rows) {
-                        if (op == pos[i]) {
-                            ub.output[i] = 1;
-                            out_idx.push_back(bi);
-                        }
-                    }
-                }
-                if (out_idx.empty()) {
-                    ub.output[nc - 1] = 1;
-                    out_idx.push_back(-1);
-                }
-            }
-
-            llama_memory_context_ptr mctx;
-            if (caches.iswa) {
-                mctx = std::make_unique<llama_kv_cache_iswa_context>(caches.iswa,
-                        llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, p.seq_id, xc) },
-                        llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.swa,  p.seq_id, xc_swa) },
-                        std::vector<llama_ubatch> { ub });
-            } else {
-                mctx = std::make_unique<llama_kv_cache_context>(caches.base,
-                        llama_kv_cache::slot_info_vec_t { rf_reuse_slot(caches.base, p.seq_id, xc) },
-                        std::vector<llama_ubatch> { ub });
-            }
-            if (!mctx->apply()) {
-                err = "failed to address the KV cells of the exact rows";
-                break;
-            }
+            llama_ubatch ub = rf_make_ubatch(p.seq_id, pos, false, n_pos);
 
             cur.il_begin = il;
             cur.il_end   = last_layer ? n_layer : il + 1;
             cur.src      = il == S ? xs : xx;
-            cur.src_rows.resize(nc);
-            cur.dst_rows.resize(nc);
-            for (int32_t i = 0; i < nc; ++i) {
-                cur.src_rows[i] = il == S ? X[c0 + i] : c0 + i;
-                cur.dst_rows[i] = c0 + i;
-            }
-            cur.fill_layer = fill && c0 == 0 ? il : -1;
-            cur.r_src      = il == S ? xs : xx;
-            cur.r_src_rows.clear();
-            for (int32_t i = 0; i < n_scale_rows; ++i) {
-                cur.r_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
-            }
-            cur.rk_src_rows.clear();
-            for (int32_t i = 0; i < n_key_rows; ++i) {
-                cur.rk_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
-            }
-            // the probe's query rows: the last n_query rows of X
-            cur.sel_ids.clear();
-            if (probe) {
+            cur.gdn      = recurrent;
+            cur.src_rows.clear();
+            cur.dst_rows.clear();
+            cur.m_f_rows.clear();
+            cur.m_perm.clear();
+            cur.x_ids.clear();
+            cur.out_ids.clear();
+            cur.state_gain = nullptr;
+
+            // the graph's rows that reach the output: ubatch rows (all of them, or the exact ones)
+            std::vector<int32_t> out_rows;
+            if (recurrent) {
+                // filled rows feed the state from x̂ (xs row j), exact rows run the layer (xs row j at
+                // the split layer, their carried state after it)
+                int32_t n_f = 0;
                 for (int32_t i = 0; i < nc; ++i) {
-                    if (c0 + i >= n_x - n_query) {
-                        cur.sel_ids.push_back(i);
+                    n_f += xi[rows[c0 + i]] < 0;
+                }
+                int32_t k_f = 0;
+                for (int32_t i = 0; i < nc; ++i) {
+                    const int32_t j = rows[c0 + i];
+                    if (xi[j] < 0) {
+                        cur.m_f_rows.push_back(j);
+                        cur.m_perm.push_back(k_f++);
+                    } else {
+                        cur.m_perm.push_back(n_f + (int32_t) cur.x_ids.size());
+                        cur.x_ids.push_back(i);
+                        cur.src_rows.push_back(il == S ? j : xi[j]);
+                        cur.dst_rows.push_back(xi[j]);
+                    }
+                }
+                out_rows = cur.x_ids;
+                // the terminal-state correction: the tail's first chunk starts from the corrected state
+                if (c0 == n_prefix && params.state_correction == LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN && maps &&
+                    il < (int32_t) maps->g.size()) {
+                    cur.state_gain = maps->g[il];
+                }
+                cur.fill_layer = -1;
+                cur.r_src_rows.clear();
+                cur.rk_src_rows.clear();
+                cur.sel_ids.clear();
+            } else {
+                for (int32_t i = 0; i < nc; ++i) {
+                    const int32_t j = rows[c0 + i];
+                    cur.src_rows.push_back(il == S ? j : xi[j]);
+                    cur.dst_rows.push_back(xi[j]);
+                    out_rows.push_back(i);
+                }
+                cur.fill_layer = fill && c0 == 0 ? il : -1;
+                cur.r_src      = il == S ? xs : xx;
+                cur.r_src_rows.clear();
+                for (int32_t i = 0; i < n_scale_rows; ++i) {
+                    cur.r_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
+                }
+                cur.rk_src_rows.clear();
+                for (int32_t i = 0; i < n_key_rows; ++i) {
+                    cur.rk_src_rows.push_back(il == S ? n_prefix + i : n_x - T + i);
+                }
+                // the probe's query rows: the last n_query rows of X
+                cur.sel_ids.clear();
+                if (probe) {
+                    for (int32_t i = 0; i < nc; ++i) {
+                        if (c0 + i >= n_x - n_query) {
+                            cur.sel_ids.push_back(i);
+                        }
                     }
                 }
             }
@@ -949,6 +1150,35 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
             cur.inp     = nullptr;
             cur.v_scale = nullptr;
             cur.k_scale = nullptr;
+
+            // the last layer outputs the logits of the rows that asked for them (at least one row when
+            // the graph has rows that reach the output: a graph needs an output; a row nobody asked
+            // for is discarded)
+            std::vector<int32_t> out_idx; // batch index per output row, -1: discarded
+            if (last_layer && !out_rows.empty()) {
+                for (size_t k = 0; k < out_rows.size() && logits; ++k) {
+                    const int32_t i = out_rows[k];
+                    for (const auto & [op, bi] : p.out_rows) {
+                        if (op == pos[i]) {
+                            ub.output[i] = 1;
+                            cur.out_ids.push_back((int32_t) k);
+                            out_idx.push_back(bi);
+                        }
+                    }
+                }
+                if (out_idx.empty()) {
+                    ub.output[out_rows.back()] = 1;
+                    cur.out_ids.push_back((int32_t) out_rows.size() - 1);
+                    out_idx.push_back(-1);
+                }
+            }
+
+            const bool rs_zero = recurrent && p.pos0 == 0 && c0 == 0; // a new sequence starts from a zero state
+            llama_memory_context_ptr mctx = rf_reuse_context(caches, p.seq_id, ub, kc, kc_swa, rs_cell, rs_zero);
+            if (!mctx->apply()) {
+                err = "failed to address the memory of the late rows";
+                break;
+            }
 
             lctx.n_outputs = (int32_t) out_idx.size();
 
@@ -979,7 +1209,11 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
             if (cur.k_scale) {
                 ggml_backend_tensor_get(cur.k_scale, last_k_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.k_scale));
             }
-            if (last_layer) {
+            if (recurrent && c1 == n_prefix && record_boundary) {
+                // the state after the last prefix row, before any correction
+                boundary_states[il] = rf_read_state(caches.recr, il, rs_cell);
+            }
+            if (!out_idx.empty()) {
                 ggml_tensor * t_logits = res->get_logits();
                 GGML_ASSERT(t_logits != nullptr && t_logits->ne[1] == (int64_t) out_idx.size());
                 lctx.n_outputs = n_outputs_saved;
@@ -1038,6 +1272,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.splice         =*/ LLAMA_RIDGEFILL_SPLICE_NONE,
         /*.n_key_rescale  =*/ 0,
         /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_SINK | LLAMA_RIDGEFILL_CLASS_DIGIT,
+        /*.state_correction  =*/ LLAMA_RIDGEFILL_STATE_CORRECTION_NONE,
     };
     return p;
 }
@@ -1260,3 +1495,40 @@ int32_t llama_ridgefill_read_kv(
     llama_ridgefill_clear_error();
     return 0;
 }
+
+int32_t llama_ridgefill_read_state(struct llama_context * ctx, int32_t il, llama_seq_id seq_id, float * out, int32_t n) {
+    if (ctx == nullptr || n < 0) {
+        llama_ridgefill_set_error(__func__, "invalid arguments");
+        return -1;
+    }
+    const llama_hparams & hparams = ctx->get_model().hparams;
+    const rf_caches caches = rf_get_caches(ctx->get_memory());
+    if (!caches.recr || il < 0 || il >= (int32_t) hparams.n_layer() || !hparams.is_recr(il)) {
+        llama_ridgefill_set_error(__func__, format("layer %d has no recurrent state", il));
+        return -1;
+    }
+    const int32_t cell = rf_recr_cell(caches.recr, seq_id);
+    if (cell < 0) {
+        llama_ridgefill_set_error(__func__, format("sequence %d has no recurrent state", seq_id));
+        return -1;
+    }
+    ctx->synchronize();
+    llama_ridgefill_clear_error();
+    return rf_copy_out(rf_read_state(caches.recr, il, cell), out, n);
+}
+
+void llama_ridgefill_record_boundary_states(struct llama_context * ctx, bool record) {
+    if (ctx && ctx->ridgefill) {
+        ctx->ridgefill->record_boundary = record;
+    }
+}
+
+int32_t llama_ridgefill_get_boundary_state(struct llama_context * ctx, int32_t il, float * out, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    auto it = rf->boundary_states.find(il);
+    return it == rf->boundary_states.end() ? 0 : rf_copy_out(it->second, out, n);
+}
+

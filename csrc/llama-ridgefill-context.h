@@ -7,6 +7,7 @@
 
 #include "ggml-cpp.h"
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -118,4 +119,9 @@ struct llama_ridgefill_context {
     std::vector<float>     last_scores;
     std::vector<float>     last_v_scales;
     std::vector<float>     last_k_scales;
+
+    // hybrid models: record each late recurrent layer's state after the last prefix row (before any
+    // terminal-state correction) into boundary_states
+    bool record_boundary = false;
+    std::map<int32_t, std::vector<float>> boundary_states;
 };

@@ -43,6 +43,7 @@ public:
     ggml_tensor * f_cells_swa = nullptr;
     ggml_tensor * f_vidx      = nullptr; // transposed V: one index per element
     ggml_tensor * f_vidx_swa  = nullptr;
+    ggml_tensor * x_ids       = nullptr; // recurrent late layer: the exact rows among the graph's rows
 
 private:
     struct input_set {
@@ -65,14 +66,115 @@ static llm_graph_input_ridgefill * rf_inputs(const llm_graph_context & g) {
 ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
     const llama_ridgefill_graph * rf = g.rf;
     GGML_ASSERT(llama_ridgefill_is_late(rf) && rf->src);
-    GGML_ASSERT(rf->src_rows.size() == g.ubatch.n_tokens);
+    ggml_context * ctx0 = g.ctx0;
 
     auto * inp = rf_inputs(g);
-    ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->src_rows.size(), rf->src_rows.data(), "ridgefill_src_rows");
 
-    ggml_tensor * cur = ggml_get_rows(g.ctx0, rf->src, rows);
+    if (!rf->gdn) {
+        GGML_ASSERT(rf->src_rows.size() == g.ubatch.n_tokens);
+        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, rf->src_rows.size(), rf->src_rows.data(), "ridgefill_src_rows");
+
+        ggml_tensor * cur = ggml_get_rows(ctx0, rf->src, rows);
+        g.cb(cur, "ridgefill_inp", -1);
+        return cur;
+    }
+
+    // a recurrent late layer: x̂ of the filled rows and the exact rows' inputs, merged in position order
+    const int64_t n_f = rf->m_f_rows.size();
+    const int64_t n_x = rf->src_rows.size();
+    GGML_ASSERT(n_f + n_x == g.ubatch.n_tokens && rf->m_perm.size() == g.ubatch.n_tokens);
+
+    ggml_tensor * x_f = nullptr;
+    ggml_tensor * x_x = nullptr;
+    if (n_f > 0) {
+        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->m_f_rows.data(), "ridgefill_m_f_rows");
+        x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, rf->il_begin, ggml_get_rows(ctx0, rf->xs, rows),
+                llama_ridgefill_stage_a(ctx0, rf->maps, rf->il_begin));
+    }
+    if (n_x > 0) {
+        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, n_x, rf->src_rows.data(), "ridgefill_src_rows");
+        x_x = ggml_get_rows(ctx0, rf->src, rows);
+    }
+    ggml_tensor * cur = nullptr;
+    if (x_f && x_x) {
+        ggml_tensor * perm = inp->add(ctx0, GGML_TYPE_I32, rf->m_perm.size(), rf->m_perm.data(), "ridgefill_m_perm");
+        cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), perm);
+    } else {
+        cur = x_f ? x_f : x_x; // one kind of row only: already in position order
+    }
     g.cb(cur, "ridgefill_inp", -1);
     return cur;
+}
+
+ggml_tensor * llama_ridgefill_build_out_ids(const llm_graph_context & g) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (llama_ridgefill_stops_early(rf, g.n_layer)) {
+        return nullptr;
+    }
+    GGML_ASSERT(!rf->out_ids.empty());
+    return rf_inputs(g)->add(g.ctx0, GGML_TYPE_I32, rf->out_ids.size(), rf->out_ids.data(), "ridgefill_out_ids");
+}
+
+// the exact rows among a recurrent late layer's rows (nullptr: every row is exact, or not such a graph)
+static ggml_tensor * rf_gdn_x_ids(const llm_graph_context & g) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf == nullptr || !rf->gdn || rf->m_f_rows.empty()) {
+        return nullptr;
+    }
+    auto * inp = rf_inputs(g);
+    if (!inp->x_ids) {
+        inp->x_ids = inp->add(g.ctx0, GGML_TYPE_I32, rf->x_ids.size(), rf->x_ids.data(), "ridgefill_x_ids");
+    }
+    return inp->x_ids;
+}
+
+ggml_tensor * llama_ridgefill_build_gdn_state(const llm_graph_context & g, ggml_tensor * s, int il) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf == nullptr || !rf->gdn || rf->state_gain == nullptr || il != rf->il_begin) {
+        return s;
+    }
+    GGML_ASSERT(rf->state_gain->ne[0] == s->ne[2]);
+    ggml_tensor * gain = ggml_reshape_4d(g.ctx0, rf->state_gain, 1, 1, s->ne[2], 1);
+    ggml_tensor * cur = ggml_mul(g.ctx0, s, gain);
+    g.cb(cur, "ridgefill_state_corrected", il);
+    return cur;
+}
+
+bool llama_ridgefill_build_gdn_readout(const llm_graph_context & g, int il, ggml_tensor * x_norm,
+        ggml_tensor ** output, ggml_tensor ** z) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf == nullptr || !rf->gdn) {
+        return true;
+    }
+    GGML_ASSERT(il == rf->il_begin);
+    if (rf->x_ids.empty()) {
+        return false;
+    }
+    ggml_tensor * ids = rf_gdn_x_ids(g);
+    if (ids == nullptr) {
+        return true; // every row is exact
+    }
+    ggml_context * ctx0 = g.ctx0;
+    const llama_layer & layer = g.rf->model->layers[il];
+
+    ggml_tensor * out = *output; // [S_v, H_v, n_tokens, 1]
+    const int64_t S_v = out->ne[0];
+    const int64_t H_v = out->ne[1];
+    const int64_t n_x = rf->x_ids.size();
+    if (!ggml_is_contiguous(out)) {
+        out = ggml_cont(ctx0, out);
+    }
+    out = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, out, S_v*H_v, out->ne[2]*out->ne[3]), ids);
+    *output = ggml_reshape_4d(ctx0, out, S_v, H_v, n_x, 1);
+
+    // the output gate of the exact rows, as the model computes it for every row
+    *z = g.build_lora_mm(layer.wqkv_gate, ggml_get_rows(ctx0, x_norm, ids), layer.wqkv_gate_s);
+    return true;
+}
+
+ggml_tensor * llama_ridgefill_build_gdn_rows(const llm_graph_context & g, ggml_tensor * x) {
+    ggml_tensor * ids = rf_gdn_x_ids(g);
+    return ids ? ggml_get_rows(g.ctx0, x, ids) : x;
 }
 
 bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor * inpL) {
@@ -80,7 +182,7 @@ bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tenso
     if (!llama_ridgefill_stops_early(rf, g.n_layer) || il != rf->il_end) {
         return false;
     }
-    GGML_ASSERT(rf->dst && rf->dst_rows.size() == g.ubatch.n_tokens);
+    GGML_ASSERT(rf->dst && (int64_t) rf->dst_rows.size() == inpL->ne[1]);
 
     auto * inp = rf_inputs(g);
     ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->dst_rows.size(), rf->dst_rows.data(), "ridgefill_dst_rows");
@@ -119,14 +221,16 @@ static void rf_build_kv(
     ggml_tensor * v = nullptr;
 
     if (layer.wqkv) {
-        // fused QKV: the whole projection (keeps adapters and scales right), then the K and V parts
+        // fused QKV: the whole projection (keeps adapters and scales right), then the K and V parts;
+        // qwen35's Q part also holds the output gate (twice the query width)
+        const int64_t n_embd_q = (model.arch == LLM_ARCH_QWEN35 ? 2 : 1)*d_k*n_head;
         ggml_tensor * qkv = g.build_lora_mm(layer.wqkv, cur, layer.wqkv_s);
         if (layer.wqkv_b) {
             qkv = ggml_add(ctx0, qkv, layer.wqkv_b);
         }
         const size_t es = ggml_element_size(qkv);
-        k = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_k*n_head_kv, n, qkv->nb[1], es*d_k*n_head));
-        v = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_v*n_head_kv, n, qkv->nb[1], es*(d_k*n_head + d_k*n_head_kv)));
+        k = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_k*n_head_kv, n, qkv->nb[1], es*n_embd_q));
+        v = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_v*n_head_kv, n, qkv->nb[1], es*(n_embd_q + d_k*n_head_kv)));
     } else {
         k = g.build_lora_mm(layer.wk, cur, layer.wk_s);
         if (layer.wk_b) {
@@ -177,6 +281,18 @@ static void rf_build_kv(
                 if (pos) {
                     k = ggml_rope_ext(ctx0, k, pos, nullptr,
                             g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
+                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
+                }
+            } break;
+        case LLM_ARCH_QWEN35:
+            {
+                // M-RoPE: pos holds the rows' positions section-major (4 * n)
+                int sections[4];
+                std::copy(std::begin(hparams.rope_sections), std::begin(hparams.rope_sections) + 4, sections);
+                k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
+                if (pos) {
+                    k = ggml_rope_multi(ctx0, k, pos, nullptr,
+                            g.n_rot, sections, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
                             g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
                 }
             } break;
@@ -333,9 +449,12 @@ static void rf_build_fill(
         return;
     }
     const bool swa = hparams.is_swa(il) && !rf->f_cells_swa.empty();
+    // positions per row (M-RoPE: f_pos holds each fill step's rows section-major, n_pos per row)
+    const int64_t n_pos = rf->f_pos.size()/n_f;
+    GGML_ASSERT((int64_t) rf->f_pos.size() == n_pos*n_f);
     if (!inp->f_rows) {
         inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->f_rows.data(), "ridgefill_f_rows");
-        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->f_pos.data(),  "ridgefill_f_pos");
+        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, rf->f_pos.size(), rf->f_pos.data(), "ridgefill_f_pos");
     }
     ggml_tensor *& cells = swa ? inp->f_cells_swa : inp->f_cells;
     if (!cells) {
@@ -358,7 +477,7 @@ static void rf_build_fill(
         const int64_t nc = std::min<int64_t>(rf->n_chunk, n_f - i0);
 
         ggml_tensor * rows = ggml_view_1d(ctx0, inp->f_rows, nc, i0*ggml_element_size(inp->f_rows));
-        ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc, i0*ggml_element_size(inp->f_pos));
+        ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc*n_pos, i0*n_pos*ggml_element_size(inp->f_pos));
         ggml_tensor * kidx = ggml_view_1d(ctx0, cells,       nc, i0*ggml_element_size(cells));
 
         ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, rows), a);

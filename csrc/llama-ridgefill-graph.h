@@ -10,6 +10,9 @@
 //           runs layer l on the chunk, carrying the rows' states in `xx`. In the first chunk's graph,
 //           before the attention, the hook in build_attn measures the value scale on the tail rows
 //           and writes the filled rows' K/V (x̂ = A φ(x_S) + b → the layer's K/V path → V · s).
+//           A recurrent (Gated DeltaNet) late layer instead runs every planned row in position order,
+//           in chunks: filled rows feed only the state update from x̂, exact rows run the whole layer;
+//           the first chunk of the tail may start from a corrected state (terminal-state correction).
 #pragma once
 
 #include "llama-graph.h"
@@ -46,8 +49,22 @@ struct llama_ridgefill_graph {
     int32_t il_end   = 0;
     ggml_tensor * src = nullptr;
     ggml_tensor * dst = nullptr;
-    std::vector<int32_t> src_rows; // [n_tokens]
-    std::vector<int32_t> dst_rows; // [n_tokens]
+    std::vector<int32_t> src_rows; // [n_tokens] (recurrent late layer: [n_x], the exact rows only)
+    std::vector<int32_t> dst_rows; // [n_tokens] (recurrent late layer: [n_x])
+
+    // rows of the last layer's output whose logits are kept (indices among the rows that reach the
+    // output: the graph's rows, or its exact rows for a recurrent layer)
+    std::vector<int32_t> out_ids;
+
+    // a recurrent late layer (gdn): the graph's rows are a chunk of every planned row, in position
+    // order. Filled rows (their xs rows: m_f_rows) feed the state update from x̂ only; exact rows (the
+    // ubatch rows x_ids, inputs at src_rows of src) run the whole layer. m_perm: for each ubatch row,
+    // its row in concat(x̂ of the filled rows, inputs of the exact rows)
+    bool gdn = false;
+    std::vector<int32_t> m_f_rows;
+    std::vector<int32_t> m_perm;
+    std::vector<int32_t> x_ids;
+    ggml_tensor * state_gain = nullptr; // [n_v_heads]: multiplies the layer's state before the rows (nullptr: none)
 
     // attention selector (early phase) and probe pass (late phase): the query rows' attention at
     // sel_layer is added to scores
@@ -58,7 +75,8 @@ struct llama_ridgefill_graph {
     // fill (late phase): at layer fill_layer, the value scale then the filled rows' K/V
     int32_t fill_layer = -1;          // -1: none in this graph
     std::vector<int32_t> f_rows;      // [|F|] xs row of each filled row
-    std::vector<int32_t> f_pos;       // [|F|] position of each filled row
+    std::vector<int32_t> f_pos;       // [|F|] position of each filled row (M-RoPE: [4 |F|], each fill
+                                      //   step's rows section-major)
     std::vector<int64_t> f_cells;     // [|F|] cell of each filled row in the full-attention cache
     std::vector<int64_t> f_cells_swa; // [|F|] ... in the sliding-window cache (iSWA models)
     std::vector<int64_t> f_vidx;      // transposed V cache (no flash attention): [|F| * n_embd_v_gqa]
@@ -92,8 +110,26 @@ static inline bool llama_ridgefill_stops_early(const llama_ridgefill_graph * rf,
     return rf && rf->il_end < n_layer;
 }
 
-// the rows' inputs of layer il_begin, gathered from src ([n_embd, n_tokens])
+// the rows' inputs of layer il_begin, gathered from src ([n_embd, n_tokens]); for a recurrent late
+// layer, x̂ for the filled rows and the stored inputs of the exact rows, merged in position order
 ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g);
+
+// the output rows of a RidgeFill graph (out_ids); nullptr for a graph that stops before the last layer
+ggml_tensor * llama_ridgefill_build_out_ids(const llm_graph_context & g);
+
+// recurrent late layer: the start state of the graph's rows, s [S_v, S_v, H_v, 1], with the
+// terminal-state correction when the graph is the first chunk of the tail (s otherwise)
+ggml_tensor * llama_ridgefill_build_gdn_state(const llm_graph_context & g, ggml_tensor * s, int il);
+
+// recurrent late layer, after the state update: only the exact rows read the state out. *output
+// ([S_v, H_v, n_tokens, 1]) becomes the exact rows' output and *z their output gate (the z projection
+// of their rows of x_norm, the layer's attention-normed input). false: the graph has no exact row
+// (its rows only updated the state) and the layer ends there. Other graphs: true, nothing changed
+bool llama_ridgefill_build_gdn_readout(const llm_graph_context & g, int il, ggml_tensor * x_norm,
+        ggml_tensor ** output, ggml_tensor ** z);
+
+// recurrent late layer: the exact rows of x ([n_embd, n_tokens], e.g. the residual); x otherwise
+ggml_tensor * llama_ridgefill_build_gdn_rows(const llm_graph_context & g, ggml_tensor * x);
 
 // at il == il_end < n_layer: store inpL (the rows' inputs of layer il) into dst and return true - the
 // builder then returns, so the graph has no later layers and no output; false otherwise

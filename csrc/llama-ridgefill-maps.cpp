@@ -13,6 +13,7 @@
 #include "ggml-cpp.h"
 #include "gguf.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -201,14 +202,26 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
         throw std::runtime_error(format("%s: the file lists %zu mapped layers, expected layers %d..%d", path, layers.size(), maps.split_layer + 1, n_layer - 1));
     }
 
-    // tensors: exactly one A and one b per mapped layer, of the right shape and type
+    // tensors: exactly one A and one b per mapped layer, of the right shape and type; optionally the
+    // state gains g of every mapped recurrent layer (hybrid models, the terminal-state correction)
+    std::vector<int32_t> recurrent;
+    for (int32_t il : expected) {
+        if (model.hparams.is_recr(il)) {
+            recurrent.push_back(il);
+        }
+    }
+    const bool has_gains = !recurrent.empty() &&
+            ggml_get_tensor(ctx_meta.get(), format("blk.%d.ridgefill_state_gain.weight", recurrent[0]).c_str()) != nullptr;
     const int64_t n_tensors = gguf_get_n_tensors(ctx_gguf.get());
-    if (n_tensors != 2 * (int64_t) expected.size()) {
-        throw std::runtime_error(format("%s: %lld tensors, expected %zu (A and b for each of layers %d..%d)",
-                path, (long long) n_tensors, 2 * expected.size(), maps.split_layer + 1, n_layer - 1));
+    const int64_t n_expected = 2 * (int64_t) expected.size() + (has_gains ? (int64_t) recurrent.size() : 0);
+    if (n_tensors != n_expected) {
+        throw std::runtime_error(format("%s: %lld tensors, expected %lld (A and b for each of layers %d..%d%s)",
+                path, (long long) n_tensors, (long long) n_expected, maps.split_layer + 1, n_layer - 1,
+                has_gains ? ", a state gain for each recurrent one" : ""));
     }
     maps.a.assign(n_layer, nullptr);
     maps.b.assign(n_layer, nullptr);
+    maps.g.assign(n_layer, nullptr);
 
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_map;
     auto ctx_for_buft = [&](ggml_backend_buffer_type_t buft) -> ggml_context * {
@@ -231,21 +244,28 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
     };
 
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load; // (file tensor, device tensor)
+    const int64_t n_v_heads = model.hparams.ssm_dt_rank;
     for (int32_t il : expected) {
-        for (const bool is_a : { true, false }) {
-            const std::string name = format(is_a ? "blk.%d.ridgefill_a.weight" : "blk.%d.ridgefill_b.bias", il);
+        for (const char kind : { 'a', 'b', 'g' }) {
+            if (kind == 'g' && !(has_gains && model.hparams.is_recr(il))) {
+                continue;
+            }
+            const std::string name = format(kind == 'a' ? "blk.%d.ridgefill_a.weight" :
+                                            kind == 'b' ? "blk.%d.ridgefill_b.bias" : "blk.%d.ridgefill_state_gain.weight", il);
             ggml_tensor * t = ggml_get_tensor(ctx_meta.get(), name.c_str());
             if (t == nullptr) {
                 throw std::runtime_error(format("%s: missing tensor %s", path, name.c_str()));
             }
+            const bool is_a = kind == 'a';
+            const int64_t n0 = kind == 'g' ? n_v_heads : n_embd;
             const bool shape_ok = is_a
                 ? (t->ne[0] == n_embd && t->ne[1] == n_embd && ggml_n_dims(t) == 2)
-                : (t->ne[0] == n_embd && ggml_n_dims(t) == 1);
+                : (t->ne[0] == n0 && ggml_n_dims(t) == 1);
             const bool type_ok = is_a ? (t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32) : t->type == GGML_TYPE_F32;
             if (!shape_ok || !type_ok) {
-                throw std::runtime_error(format("%s: tensor %s is %s [%lld, %lld], expected %s [%d%s]", path, name.c_str(),
+                throw std::runtime_error(format("%s: tensor %s is %s [%lld, %lld], expected %s [%lld%s]", path, name.c_str(),
                         ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1],
-                        is_a ? "F16/F32" : "F32", n_embd, is_a ? format(", %d", n_embd).c_str() : ""));
+                        is_a ? "F16/F32" : "F32", (long long) n0, is_a ? format(", %d", n_embd).c_str() : ""));
             }
             // placement: with the layer's weights (resident), or in host memory for streaming
             ggml_backend_dev_t dev = model.dev_layer(il);
@@ -258,7 +278,7 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
             }
             ggml_tensor * dst = ggml_dup_tensor(ctx_for_buft(buft), t);
             ggml_set_name(dst, t->name);
-            (is_a ? maps.a : maps.b)[il] = dst;
+            (kind == 'a' ? maps.a : kind == 'b' ? maps.b : maps.g)[il] = dst;
             to_load.emplace_back(t, dst);
         }
     }
@@ -341,6 +361,10 @@ uint64_t llama_ridgefill_maps_n_bytes(const struct llama_ridgefill_maps * maps) 
 
 const char * llama_ridgefill_maps_buffer_types(const struct llama_ridgefill_maps * maps) {
     return maps->buft_names.c_str();
+}
+
+bool llama_ridgefill_maps_has_state_gains(const struct llama_ridgefill_maps * maps) {
+    return maps && std::any_of(maps->g.begin(), maps->g.end(), [](const ggml_tensor * t) { return t != nullptr; });
 }
 
 bool llama_ridgefill_maps_host(const struct llama_ridgefill_maps * maps) {

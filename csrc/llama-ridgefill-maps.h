@@ -28,6 +28,8 @@ struct llama_ridgefill_maps {
 
     std::vector<ggml_tensor *> a; // [n_layer], [n_embd(in), n_embd(out)] F16/F32; nullptr for il <= S
     std::vector<ggml_tensor *> b; // [n_layer], [n_embd] F32
+    std::vector<ggml_tensor *> g; // [n_layer], [n_v_heads] F32: state gains of the late recurrent layers
+                                  //   (terminal-state correction); nullptr where none (optional)
 
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;

@@ -108,6 +108,14 @@ extern "C" {
         LLAMA_RIDGEFILL_SPLICE_KV   = 3,
     };
 
+    // the terminal-state correction of recurrent (Gated DeltaNet) late layers (DESIGN §4.4): how each
+    // late recurrent layer's state is adjusted at the prefix/tail boundary, before the tail runs
+    enum llama_ridgefill_state_correction {
+        LLAMA_RIDGEFILL_STATE_CORRECTION_NONE = 0, // the state the filled rows left
+        LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN = 1, // times a per-value-head gain fitted in closed form on
+                                                   //   calibration text (the map file's state gains)
+    };
+
     struct llama_ridgefill_params {
         int32_t split_layer;    // S, 1 <= S <= n_layer (S = n_layer: stock); -1: the maps' split
         int32_t n_tail;         // T >= 1: the last T prompt rows are exact
@@ -125,6 +133,8 @@ extern "C" {
         int32_t protected_classes; // protected selector: enum llama_ridgefill_token_class bits; at most
                                    //   ceil(exact_fraction * prefix) rows: sink rows first, then digits,
                                    //   then rarer tokens, then line starts
+        int32_t state_correction;  // enum llama_ridgefill_state_correction (recurrent late layers; GAIN
+                                   //   needs maps with state gains)
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);
@@ -202,6 +212,28 @@ extern "C" {
                          int32_t   n,
                            float * k_out,
                            float * v_out);
+
+    // hybrid models: the recurrent state of layer il for seq_id as F32, the conv state then the ssm state
+    // (the layout of llama.cpp's recurrent memory). Copies up to n floats, returns how many there are,
+    // or -1 (not a recurrent layer, no such sequence). For tests and tools.
+    LLAMA_API int32_t llama_ridgefill_read_state(
+            struct llama_context * ctx,
+                         int32_t   il,
+                    llama_seq_id   seq_id,
+                           float * out,
+                         int32_t   n);
+
+    // hybrid models: record, in the next plans, each late recurrent layer's state after the last prefix
+    // row, before any terminal-state correction (what the correction's gains are fitted on)
+    LLAMA_API void llama_ridgefill_record_boundary_states(struct llama_context * ctx, bool record);
+
+    // the recorded boundary state of late recurrent layer il of the last finished plan, in the layout of
+    // llama_ridgefill_read_state: copies up to n floats, returns how many there are (0: none recorded),
+    // -1 without RidgeFill attached
+    LLAMA_API int32_t llama_ridgefill_get_boundary_state(struct llama_context * ctx, int32_t il, float * out, int32_t n);
+
+    // whether the maps carry state gains for the terminal-state correction
+    LLAMA_API bool llama_ridgefill_maps_has_state_gains(const struct llama_ridgefill_maps * maps);
 
     // the message of the last failed RidgeFill call on this thread ("" after a success)
     LLAMA_API const char * llama_ridgefill_last_error(void);

@@ -159,6 +159,11 @@ def llama_ridgefill_maps_n_bytes(maps, /) -> int: ...
 def llama_ridgefill_maps_buffer_types(maps, /) -> bytes: ...
 
 
+# LLAMA_API bool llama_ridgefill_maps_has_state_gains(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_has_state_gains", [llama_ridgefill_maps_p], ctypes.c_bool)
+def llama_ridgefill_maps_has_state_gains(maps, /) -> bool: ...
+
+
 # LLAMA_API bool llama_ridgefill_maps_host(const struct llama_ridgefill_maps * maps);
 @ctypes_function("llama_ridgefill_maps_host", [llama_ridgefill_maps_p], ctypes.c_bool)
 def llama_ridgefill_maps_host(maps, /) -> bool: ...
@@ -196,6 +201,10 @@ LLAMA_RIDGEFILL_SPLICE_K = 1
 LLAMA_RIDGEFILL_SPLICE_V = 2
 LLAMA_RIDGEFILL_SPLICE_KV = 3
 
+# enum llama_ridgefill_state_correction
+LLAMA_RIDGEFILL_STATE_CORRECTION_NONE = 0
+LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN = 1
+
 
 # struct llama_ridgefill_params { ... };
 class llama_ridgefill_params(ctypes.Structure):
@@ -212,6 +221,7 @@ class llama_ridgefill_params(ctypes.Structure):
         ("splice", ctypes.c_int32),
         ("n_key_rescale", ctypes.c_int32),
         ("protected_classes", ctypes.c_int32),
+        ("state_correction", ctypes.c_int32),
     ]
 
 
@@ -288,6 +298,24 @@ def llama_ridgefill_get_scores(ctx, out, n: int, /) -> int: ...
 # LLAMA_API int32_t llama_ridgefill_get_value_scales(struct llama_context * ctx, float * out, int32_t n);
 @ctypes_function("llama_ridgefill_get_value_scales", [llama_context_p, _float_p, ctypes.c_int32], ctypes.c_int32)
 def llama_ridgefill_get_value_scales(ctx, out, n: int, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_read_state(struct llama_context * ctx, int32_t il, llama_seq_id seq_id,
+#                                              float * out, int32_t n);
+@ctypes_function("llama_ridgefill_read_state", [llama_context_p, ctypes.c_int32, ctypes.c_int32, _float_p, ctypes.c_int32],
+                 ctypes.c_int32)
+def llama_ridgefill_read_state(ctx, il: int, seq_id: int, out, n: int, /) -> int: ...
+
+
+# LLAMA_API void llama_ridgefill_record_boundary_states(struct llama_context * ctx, bool record);
+@ctypes_function("llama_ridgefill_record_boundary_states", [llama_context_p, ctypes.c_bool], None)
+def llama_ridgefill_record_boundary_states(ctx, record: bool, /) -> None: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_boundary_state(struct llama_context * ctx, int32_t il, float * out, int32_t n);
+@ctypes_function("llama_ridgefill_get_boundary_state", [llama_context_p, ctypes.c_int32, _float_p, ctypes.c_int32],
+                 ctypes.c_int32)
+def llama_ridgefill_get_boundary_state(ctx, il: int, out, n: int, /) -> int: ...
 
 
 # LLAMA_API int32_t llama_ridgefill_read_kv(struct llama_context * ctx, int32_t il, llama_seq_id seq_id,

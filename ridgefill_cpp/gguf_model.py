@@ -18,7 +18,7 @@ GGUF_MAGIC = b"GGUF"
 #: architectures RidgeFill implements (DESIGN §6); anything else is refused with this list
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
 #: what libllama's filled-row prefill supports (csrc/llama-ridgefill-context.cpp refuses the rest)
-PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3")
+PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
 
 
 class GGUFFileError(ValueError):

@@ -48,6 +48,8 @@ TOKEN_CLASSES = {
 DEFAULT_PROTECTED = ("sink", "digits")
 
 PLACEMENTS = ("resident", "host")
+#: RidgeFill(state_correction=...) -> enum llama_ridgefill_state_correction
+STATE_CORRECTIONS = {None: N.LLAMA_RIDGEFILL_STATE_CORRECTION_NONE, "gain": N.LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN}
 
 
 def protected_mask(classes: str | Sequence[str]) -> int:
@@ -89,6 +91,11 @@ class RidgeFill:
     ``fill_chunk``: filled rows per fill step (0: ``n_ubatch``). ``placement``: where the maps
     live, ``"resident"`` (with their layer's weights) or ``"host"`` (pinned host memory, streamed to
     the accelerator once per layer: saves VRAM; the same on CPU).
+    ``state_correction`` (hybrid models with Gated DeltaNet late layers, qwen35): the terminal-state
+    correction, ``None`` (off, the default) or ``"gain"`` (each late recurrent layer's state is
+    multiplied by per-head gains at the prefix/tail boundary, before the tail runs; the gains are
+    fitted in closed form by ``ridgefill-gguf fit --state-gains`` and stored in the map file; see
+    :mod:`ridgefill_cpp.oracle.state_correction` for the derivation).
     """
 
     maps: str | os.PathLike | None = None
@@ -104,6 +111,7 @@ class RidgeFill:
     fill_chunk: int = 0
     protected: str | Sequence[str] = DEFAULT_PROTECTED
     placement: str = "resident"
+    state_correction: str | None = None
     positions: tuple[int, ...] = field(default=(), init=False, repr=False)
     #: the map file's tuned operating point (``ridgefill.tuned.*``), None when it has none
     tuned: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
@@ -172,6 +180,8 @@ class RidgeFill:
             object.__setattr__(self, "protected", tuple(self.protected))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
+        if self.state_correction not in STATE_CORRECTIONS:
+            raise ValueError(f"state_correction {self.state_correction!r}: use None or 'gain'")
 
     @classmethod
     def identity(cls, split: int, **kwargs: Any) -> "RidgeFill":
@@ -192,6 +202,7 @@ class RidgeFill:
         p.min_prompt = int(self.min_prompt)
         p.n_fill_chunk = int(self.fill_chunk)
         p.protected_classes = protected_mask(self.protected)
+        p.state_correction = STATE_CORRECTIONS[self.state_correction]
         return p
 
 
@@ -373,6 +384,34 @@ class Llama(llama_cpp.Llama):
         if rc != 0:
             raise ValueError(_last_error())
         return k, v
+
+    def read_state(self, layer: int):
+        """The recurrent state of Gated DeltaNet ``layer`` (hybrid models, sequence 0) as one float32
+        array in llama.cpp's layout: the conv state ([conv channels][d_conv - 1]) then the delta-net
+        state ([v heads][S_v][S_v]). For tests and tools."""
+        return self._state_floats(lambda out, n: N.llama_ridgefill_read_state(self._ctx.ctx, layer, 0, out, n))
+
+    def ridgefill_boundary_state(self, layer: int):
+        """The state of late recurrent ``layer`` after the last prefix row of the last RidgeFill
+        prefill, before any terminal-state correction (layout of :meth:`read_state`), or None when
+        none was recorded (:meth:`ridgefill_record_boundary_states`)."""
+        st = self._state_floats(lambda out, n: N.llama_ridgefill_get_boundary_state(self._ctx.ctx, layer, out, n))
+        return st if st.size else None
+
+    def ridgefill_record_boundary_states(self, record: bool = True) -> None:
+        """Record each late recurrent layer's boundary state in the next RidgeFill prefills."""
+        N.llama_ridgefill_record_boundary_states(self._ctx.ctx, bool(record))
+
+    @staticmethod
+    def _state_floats(get):
+        import numpy as np
+
+        n = get(None, 0)
+        if n < 0:
+            raise ValueError(_last_error())
+        out = np.empty(n, dtype=np.float32)
+        get(out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+        return out
 
 
 __all__ = ["Llama", "RidgeFill", "SELECTORS", "TOKEN_CLASSES", "PLACEMENTS"]
