@@ -1,0 +1,382 @@
+"""Filled-row prefill of a Gated DeltaNet hybrid (``qwen35``) in libllama against the reference of
+DESIGN §4 item 4 (``ridgefill_cpp.oracle.fill``) on the same GGUF weights.
+
+There is no real hybrid GGUF in the package registry: the tiny random-weight ``qwen35`` model of
+``tools/tiny_qwen35.py`` (6 layers: Gated DeltaNet 0, 1, 3, 4 and gated full attention 2, 5) is the
+test bed. At split 3 the late layers are GDN 3 (fills from x_S), GDN 4 (fills from the map's x̂) and
+attention 5. A late GDN layer runs every prompt row in position order, in chunks of n_ubatch that
+start anew at the tail: filled rows feed only the state update, exact rows the whole layer.
+
+The model stores F32 weights and the contexts keep an F32 KV cache without flash attention, so
+llama.cpp and the float64 oracle agree to float32 rounding (~1e-6).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import evaluation_tokens
+
+import ridgefill_cpp  # noqa: F401  (first: llama_cpp then loads the patched libraries)
+import llama_cpp  # noqa: E402
+from ridgefill_cpp import Llama, RidgeFill, corpus
+from ridgefill_cpp import _native as N
+from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.mapfile import read_map_file, write_map_file
+from ridgefill_cpp.oracle import load_oracle
+from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention,
+                                      probe_fill_forward, select_exact_rows)
+
+ARCH = "qwen35"
+S = 3
+N_TOKENS = 200
+TAIL = 16
+TOL = 2e-5
+F32 = 0  # GGML_TYPE_F32
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models[ARCH]
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    return load_oracle(model, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def prompt(model) -> list[int]:
+    return evaluation_tokens(model, N_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def map_file(model, tmp_path_factory):
+    """F32 ridge maps at S = 3, fitted on llama.cpp's hidden states of calibration text."""
+    res = fit_ridge_maps(model, corpus.default_documents("calibration"),
+                         FitOptions(n_tokens=4000, ctx=128, split=S, n_threads=1))
+    return write_map_file(tmp_path_factory.mktemp("qwen35-maps") / "qwen35.ridgefill.gguf", res.maps, dtype="f32")
+
+
+def _ctx_kwargs(**kw):
+    base = dict(n_ctx=256, n_batch=256, n_ubatch=64, n_threads=1, n_threads_batch=1, verbose=False,
+                flash_attn=False, type_k=F32, type_v=F32)
+    base.update(kw)
+    return base
+
+
+def _last_logits(llm) -> np.ndarray:
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _state(st) -> np.ndarray:
+    """An oracle GDNState in llama.cpp's layout (conv state, then ssm state)."""
+    return np.concatenate([st.conv.reshape(-1).numpy(), st.ssm.reshape(-1).numpy()])
+
+
+def _stock_logits(path, tokens, **kw) -> np.ndarray:
+    llm = Llama(str(path), **_ctx_kwargs(**kw))
+    try:
+        llm.eval(tokens)
+        return _last_logits(llm)
+    finally:
+        llm.close()
+
+
+def _check_against(llm, ref, oracle, n: int) -> None:
+    """Last-row logits, every layer's final recurrent state and every attention layer's K/V rows."""
+    assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL
+    for il in range(oracle.n_layer):
+        if oracle.is_recurrent(il):
+            assert _rel(llm.read_state(il), _state(ref.gdn_states[il])) < TOL, il
+        else:
+            k, v = llm.read_kv(il, list(range(n)))
+            assert _rel(k, ref.keys[il].reshape(n, -1).numpy()) < TOL, il
+            assert _rel(v, ref.values[il].reshape(n, -1).numpy()) < TOL, il
+
+
+# ------------------------------------------------------------------------------------------------
+# agreement with the oracle
+
+
+CASES = [
+    # maps, value_rescale, n_prompt, tail, n_ubatch, n_batch, exact fraction
+    ("ridge", 512, N_TOKENS, TAIL, 64, 256, 0.10),
+    ("ridge", 0, N_TOKENS, TAIL, 16, 48, 0.10),
+    ("identity", 512, N_TOKENS, TAIL, 64, 40, 0.25),
+    ("ridge", 5, 97, 7, 32, 97, 0.0),   # selector none: chunks of filled rows only
+    ("identity", 0, 97, 40, 8, 16, 0.05),  # the tail spans five chunks
+    ("ridge", 512, 130, 64, 64, 256, 0.10),  # prefix and tail one chunk each
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_prefill_matches_the_oracle(case, model, oracle, prompt, map_file):
+    kind, c, n, tail, n_ubatch, n_batch, fraction = case
+    L = oracle.n_layer
+    tokens = prompt[:n]
+    exact = select_exact_rows(attention_scores(oracle, tokens, default_selector_layer(oracle, S)), n - tail, fraction)
+    maps = read_map_file(map_file) if kind == "ridge" else None
+    ref = fill_forward(oracle, tokens, split=S, maps=maps, tail=tail, exact_positions=exact, value_rescale=c)
+
+    rf = RidgeFill(map_file if kind == "ridge" else None, split=S, tail=tail, selector=exact, value_rescale=c,
+                   min_prompt=0)
+    llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=n_batch))
+    try:
+        llm.ridgefill_record_boundary_states()
+        llm.eval(tokens)
+        st = llm.ridgefill_stats
+        assert st["n_prompt"] == n and st["split"] == S and st["tail"] == tail
+        assert st["exact_positions"] == exact
+        assert st["n_filled"] == n - tail - len(exact) > 0
+        assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
+        _check_against(llm, ref, oracle, n)
+
+        # value scales: measured at the attention layer, 1 at the GDN layers
+        scales = np.array(llm.ridgefill_value_scales())
+        assert scales.shape == (L - S, oracle.n_head_kv)
+        np.testing.assert_allclose(scales, ref.value_scales.numpy(), rtol=TOL, atol=0)
+        assert np.all(scales[[il - S for il in range(S, L) if oracle.is_recurrent(il)]] == 1.0)
+        if c:
+            assert np.abs(scales[L - 1 - S] - 1).max() > 1e-3  # the scale did something at layer 5
+
+        # each late GDN layer's state after the last prefix row (what the state correction scales)
+        for il in range(S, L):
+            got = llm.ridgefill_boundary_state(il)
+            if oracle.is_recurrent(il):
+                assert _rel(got, _state(ref.boundary_states[il])) < TOL, il
+            else:
+                assert got is None
+
+        # another prompt in the same context, from position 0: the late GDN layers' states (left by
+        # the first prompt in the recurrent cells; the early phase never touches them) start from zero
+        other = prompt[N_TOKENS - n:][::-1]
+        exact = select_exact_rows(attention_scores(oracle, other, default_selector_layer(oracle, S)), n - tail, fraction)
+        ref = fill_forward(oracle, other, split=S, maps=maps, tail=tail, exact_positions=exact, value_rescale=c)
+        llm.n_tokens = 0  # not reset(): that clears the memory's data too
+        assert llm._ctx.kv_cache_seq_rm(0, 0, -1)  # frees the cells, keeps their data
+        ctx = llm._ctx.ctx
+        assert N.llama_ridgefill_begin(ctx, 0, 0, n) == 1
+        pos = (ctypes.c_int32 * max(len(exact), 1))(*exact)
+        assert N.llama_ridgefill_set_exact(ctx, pos, len(exact)) == 0
+        llama_cpp.Llama.eval(llm, other)
+        _check_against(llm, ref, oracle, n)
+    finally:
+        llm.close()
+
+
+def test_filled_rows_change_the_state(model, oracle, prompt, map_file):
+    """The filled rows really feed the late recurrence with x̂: the final state of GDN layer 4 differs
+    from the exact prefill's by about as much as the oracle says, and identity differs from ridge."""
+    exact_ref = fill_forward(oracle, prompt, split=oracle.n_layer, tail=TAIL)  # S = L: the exact forward
+    ridge = fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, exact_positions=[])
+    ident = fill_forward(oracle, prompt, split=S, tail=TAIL, exact_positions=[])
+    ref_gap = _rel(_state(ridge.gdn_states[4]), _state(exact_ref.gdn_states[4]))
+    assert ref_gap > 1e-2
+    assert _rel(_state(ident.gdn_states[4]), _state(ridge.gdn_states[4])) > 1e-2
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector="none", min_prompt=0), **_ctx_kwargs())
+    try:
+        llm.eval(prompt)
+        got = llm.read_state(4)
+        assert _rel(got, _state(ridge.gdn_states[4])) < TOL
+        assert _rel(got, _state(exact_ref.gdn_states[4])) == pytest.approx(ref_gap, rel=1e-3)
+    finally:
+        llm.close()
+
+
+def test_attention_selector_matches_the_oracle(model, oracle, prompt, map_file):
+    """The selector scores at the last full-attention layer below S (layer 2; GDN layers have no
+    attention), then the plan matches the oracle with the oracle's own selection."""
+    layer = default_selector_layer(oracle, S)
+    assert layer == 2
+    ref_scores = attention_scores(oracle, prompt, layer).numpy()
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, min_prompt=0), **_ctx_kwargs(n_ubatch=32, n_batch=64))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        assert st["selector_layer"] == layer
+        scores = np.array(llm.ridgefill_scores())
+        assert scores.sum() == pytest.approx(oracle.n_head * 64, rel=1e-4)
+        np.testing.assert_allclose(scores, ref_scores, rtol=0, atol=TOL * ref_scores.max())
+        chosen = st["exact_positions"]
+        assert len(chosen) == math.ceil(0.1 * (N_TOKENS - TAIL))
+        ref = fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, exact_positions=chosen)
+        _check_against(llm, ref, oracle, N_TOKENS)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("n_ubatch", [8, 64])
+def test_probe_selector_matches_the_oracle(n_ubatch, model, oracle, prompt, map_file):
+    """The probe pass runs the late GDN layers over every row too; the second pass starts their
+    recurrence again from the state before the plan."""
+    L = oracle.n_layer
+    ref = probe_fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, fraction=0.10, n_queries=64)
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector="probe", min_prompt=0),
+                **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        n_full = sum(1 for il in range(S, L) if is_full_attention(oracle, il))
+        scores = np.array(llm.ridgefill_scores())
+        assert n_full == 1 and scores.sum() == pytest.approx(oracle.n_head * TAIL * n_full, rel=1e-4)
+        np.testing.assert_allclose(scores, ref.probe_scores.numpy(), rtol=0, atol=TOL * ref.probe_scores.max().item())
+        assert st["exact_positions"] == ref.exact_rows.numpy()[:-TAIL].tolist()
+        assert st["probe_rows"] == TAIL
+        _check_against(llm, ref, oracle, N_TOKENS)
+    finally:
+        llm.close()
+
+
+def test_plan_spanning_several_eval_calls(model, oracle, prompt, map_file):
+    """One plan brought by three ``eval`` calls of several ubatches each (the hybrid memory splits
+    them with split_equal)."""
+    exact = [0, 3, 50, 101]
+    ref = fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, exact_positions=exact)
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector=exact, min_prompt=0),
+                **_ctx_kwargs(n_batch=32, n_ubatch=16))
+    try:
+        ctx = llm._ctx.ctx
+        assert N.llama_ridgefill_begin(ctx, 0, 0, N_TOKENS) == 1
+        pos = (ctypes.c_int32 * len(exact))(*exact)
+        assert N.llama_ridgefill_set_exact(ctx, pos, len(exact)) == 0
+        for part in (prompt[:70], prompt[70:121], prompt[121:]):
+            llama_cpp.Llama.eval(llm, part)
+        _check_against(llm, ref, oracle, N_TOKENS)
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# degenerate cases (DESIGN §4.6) and a cached prefix
+
+
+def test_degenerate_plans_are_bit_identical_to_stock(model, oracle, prompt):
+    stock = _stock_logits(model, prompt)
+    settings = [
+        RidgeFill.identity(oracle.n_layer, tail=TAIL, min_prompt=0),  # S = L
+        RidgeFill.identity(S, tail=N_TOKENS, min_prompt=0),           # N <= T
+        RidgeFill.identity(S, tail=TAIL, min_prompt=N_TOKENS + 1),    # N < min_prompt
+    ]
+    for rf in settings:
+        llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs())
+        try:
+            llm.eval(prompt)
+            assert llm.ridgefill_stats == {}
+            assert np.array_equal(_last_logits(llm), stock), rf
+        finally:
+            llm.close()
+
+
+@pytest.mark.parametrize("n_ubatch", [16, 64])
+def test_all_rows_exact_equals_stock(n_ubatch, model, prompt, map_file):
+    """exact_fraction 1.0, value rescale off: the late phase recomputes every late layer exactly,
+    the GDN layers over every row from a zero state; logits and final states equal stock."""
+    stock = Llama(str(model), **_ctx_kwargs(n_ubatch=n_ubatch))
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, exact_fraction=1.0, value_rescale=0, min_prompt=0),
+                **_ctx_kwargs(n_ubatch=n_ubatch))
+    try:
+        stock.eval(prompt)
+        llm.eval(prompt)
+        assert llm.ridgefill_stats["n_filled"] == 0
+        assert _rel(_last_logits(llm), _last_logits(stock)) < 1e-5
+        for il in (0, 1, 3, 4):
+            assert _rel(llm.read_state(il), stock.read_state(il)) < 1e-5, il
+    finally:
+        llm.close()
+        stock.close()
+
+
+def test_cached_prefix_continues_the_recurrent_states(model, prompt, map_file):
+    """A second prompt after a cached first one (p0 > 0): the late GDN layers continue from the state
+    the first plan left. With every row exact both plans together equal one stock prefill; with rows
+    filled, generation afterwards runs every layer."""
+    stock = Llama(str(model), **_ctx_kwargs())
+    rf = RidgeFill(map_file, tail=8, exact_fraction=1.0, value_rescale=0, min_prompt=20)
+    llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs(n_batch=64, n_ubatch=32))
+    try:
+        stock.eval(prompt)
+        llm.eval(prompt[:120])
+        assert llm.ridgefill_stats["pos0"] == 0
+        llm.eval(prompt[120:])  # 80 new rows, planned from position 120
+        st = llm.ridgefill_stats
+        assert st["pos0"] == 120 and st["n_prompt"] == N_TOKENS - 120 and st["n_filled"] == 0
+        assert _rel(_last_logits(llm), _last_logits(stock)) < 1e-5
+        for il in (0, 1, 3, 4):
+            assert _rel(llm.read_state(il), stock.read_state(il)) < 1e-5, il
+    finally:
+        llm.close()
+        stock.close()
+
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=8, min_prompt=20), **_ctx_kwargs(n_batch=64, n_ubatch=32))
+    try:
+        llm.eval(prompt[:120])
+        llm.eval(prompt[120:])
+        st = llm.ridgefill_stats
+        assert st["pos0"] == 120 and st["n_filled"] > 0
+        assert all(120 <= p < N_TOKENS - 8 for p in st["exact_positions"])
+        llm.eval(prompt[:1])  # a generated token: every layer, stats untouched
+        assert llm.ridgefill_stats == st
+        assert np.isfinite(_last_logits(llm)).all()
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# settings, buffers, refusals
+
+
+def test_compute_buffers_are_reserved_for_the_recurrent_late_layers(model, prompt, map_file):
+    """Attaching reserves the scheduler's buffers for the late GDN chunks too: a prefill never grows
+    them (llama.cpp's own check at context teardown finds the expected sizes)."""
+    from llama_cpp import _logger
+
+    logs: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):
+        logs.append(text.decode(errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, min_prompt=0), **_ctx_kwargs(n_ubatch=64))
+        llm.eval(prompt)
+        assert llm.ridgefill_stats["n_filled"] > 64
+        llm.close()
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    text = "".join(logs)
+    assert "RidgeFill attached" in text and "compute buffer size" in text
+    assert "does not match expectation" not in text
+
+
+def test_state_correction_needs_gains(model, map_file):
+    with pytest.raises(ValueError, match="state correction 'gain' needs maps with state gains"):
+        Llama(str(model), ridgefill=RidgeFill(map_file, state_correction="gain"), **_ctx_kwargs())
+    with pytest.raises(ValueError, match="state correction 'gain' needs maps with state gains"):
+        Llama(str(model), ridgefill=RidgeFill.identity(S, state_correction="gain"), **_ctx_kwargs())
+    with pytest.raises(ValueError, match="state_correction 'scale'"):
+        RidgeFill(map_file, state_correction="scale")
+
+
+def test_state_readout_refusals(model, prompt):
+    llm = Llama(str(model), **_ctx_kwargs())
+    try:
+        llm.eval(prompt[:10])
+        with pytest.raises(ValueError, match="layer 2 has no recurrent state"):
+            llm.read_state(2)
+        assert llm.read_state(0).shape == llm.read_state(4).shape
+    finally:
+        llm.close()
