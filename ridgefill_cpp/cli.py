@@ -129,10 +129,10 @@ def info(
         problems = None
         if model is not None:
             try:
-                problems = compatibility_problems(maps.meta, model)
+                problems = compatibility_problems(maps.meta, model, maps.g)
             except GGUFFileError as e:
                 _fail(str(e))
-        _show_map_file(file, maps.meta, problems, model, as_json)
+        _show_map_file(file, maps.meta, problems, model, as_json, gains=maps.g)
         if problems:
             raise typer.Exit(1)
         return
@@ -160,9 +160,10 @@ def _quality_table(meta, title: str) -> Table:
     return q
 
 
-def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
+def _show_map_file(path, meta, problems, model, as_json: bool, gains=None) -> None:
     from dataclasses import asdict
 
+    from .gguf_model import HYBRID_ARCHITECTURES
     from .mapfile import map_tensor_bytes, read_tuned_defaults
 
     n_bytes = map_tensor_bytes(path)
@@ -172,6 +173,8 @@ def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
         d["input_norm"] = meta.input_norm
         d["maps_bytes"] = n_bytes
         d["tuned"] = tuned
+        d["has_state_gains"] = bool(gains)
+        d["state_gains"] = {str(il): [float(x) for x in g] for il, g in sorted(gains.items())} if gains else None
         if problems is not None:
             d["fits_model"] = {"model": str(model), "ok": not problems, "problems": problems}
         print(json.dumps(d, indent=2))
@@ -194,6 +197,12 @@ def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
     ]:
         t.add_row(k, v)
+    if gains:
+        t.add_row("state gains", "; ".join(f"layer {il}: {g.size} heads, {float(g.min()):.3f} / {float(g.mean()):.3f} / "
+                                           f"{float(g.max()):.3f} (min / mean / max)" for il, g in sorted(gains.items()))
+                  + " - for RidgeFill(state_correction=\"gain\")")
+    elif meta.architecture in HYBRID_ARCHITECTURES:
+        t.add_row("state gains", "none (ridgefill-gguf fit --state-gains writes them)")
     if tuned:
         measured = ", ".join(f"{label} {tuned[key]:{fmt}}" for key, label, fmt in
                              (("delta_nll_novel", "novel ΔNLL", "+.4f"), ("speedup", "speed", ".2f"),
@@ -209,6 +218,10 @@ def _show_map_file(path, meta, problems, model, as_json: bool) -> None:
                 err.print(f"  - {p}", highlight=False, soft_wrap=True)
         else:
             out.print(f"[green]the maps fit {model}[/] (architecture, dimensions and fingerprint match)", highlight=False)
+
+
+#: the plan the state gains of ``fit`` are measured with (RidgeFill's built-in defaults)
+_GAIN_TAIL, _GAIN_FRACTION, _GAIN_SELECTOR = 64, 0.10, "attention"
 
 
 @app.command()
@@ -229,9 +242,20 @@ def fit(
     dtype: str = typer.Option("f16", "--dtype", help="Storage type of the A matrices: f16 or f32."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads for llama.cpp."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
+    state_gains: Optional[bool] = typer.Option(
+        None, "--state-gains/--no-state-gains",
+        help="Hybrid models (Gated DeltaNet layers, qwen35): after the maps, fit the closed-form per-head gains of "
+             "the terminal-state correction (the least-squares gain from the filled to the exact recurrent state "
+             "at the prefix/tail boundary, measured by llama.cpp on calibration windows with the default plan: "
+             f"T = {_GAIN_TAIL}, 10% exact rows, attention selector) and store them in the map file, for "
+             "RidgeFill(state_correction=\"gain\"). Default: on when the model has recurrent layers above the split; "
+             "ignored, with a note, otherwise."),
+    state_gain_windows: int = typer.Option(
+        16, "--state-gain-windows", min=1, help="At most this many calibration windows (of --ctx rows) for the state gains."),
 ) -> None:
     """Fit one closed-form ridge map per late layer from llama.cpp's own hidden states on calibration
-    text, and write them as a GGUF side file (DESIGN §7)."""
+    text, and write them as a GGUF side file (DESIGN §7). For hybrid models, also the terminal-state
+    gains (--state-gains)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from . import corpus
@@ -264,15 +288,25 @@ def fit(
             _fail(f"{path} exists (use --force to overwrite it)")
         if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
             _fail(f"cannot write {path}: {path.parent} is not a writable directory")
+    # state gains per split: on for the splits with recurrent layers above them (unless --no-state-gains)
+    gain_splits = [] if state_gains is False else [s for s in splits if any(il > s for il in info.recurrent_layers)]
+    if state_gains and not gain_splits:
+        out.print(f"note: --state-gains ignored: {info.architecture} has no recurrent (Gated DeltaNet) layer above "
+                  f"the split", highlight=False)
+    if gain_splits and ctx <= _GAIN_TAIL:
+        _fail(f"--ctx {ctx}: the state gains need calibration windows longer than the tail ({_GAIN_TAIL}); "
+              f"use a larger --ctx or --no-state-gains")
     if calibration:
         try:
             docs = corpus.read_documents(calibration)
         except (FileNotFoundError, ValueError) as e:
             _fail(str(e))
         source = "user text: " + ", ".join(str(p) for p in calibration)
+        documents = lambda: docs  # noqa: E731
     else:
         docs = corpus.default_documents("calibration")
         source = corpus.default_source_description("calibration")
+        documents = lambda: corpus.default_documents("calibration")  # noqa: E731
     opts = FitOptions(objective=objective, n_tokens=tokens, ctx=ctx, n_threads=threads)
     with Progress(TextColumn("capturing hidden states"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.completed:>8.0f} tokens  {task.fields[rate]}"), TimeRemainingColumn(),
@@ -299,6 +333,38 @@ def fit(
             highlight=False,
         )
         out.print(f"wrote {path}", highlight=False)
+        if m.split_layer in gain_splits:
+            _fit_state_gains_into(model, path, documents(), tokens=tokens, ctx=ctx, max_windows=state_gain_windows,
+                                  threads=threads)
+
+
+def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ctx: int, max_windows: int,
+                          threads: Optional[int]) -> None:
+    """fit --state-gains: gains on the fit's calibration windows, written into the map file at ``path``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .fit import FitError
+    from .state_gains import add_state_gains, calibration_windows, fit_state_gains
+
+    windows = calibration_windows(model, documents, n_tokens=tokens, ctx=ctx, max_windows=max_windows)
+    with Progress(TextColumn("fitting state gains"), BarColumn(), MofNCompleteColumn(), TextColumn("prefills"),
+                  TimeRemainingColumn(), console=err, transient=False) as bar:
+        task = bar.add_task("gains", total=2 * len(windows))
+        try:
+            gains = fit_state_gains(model, path, windows, tail=_GAIN_TAIL, fraction=_GAIN_FRACTION,
+                                    selector=_GAIN_SELECTOR, n_threads=threads,
+                                    progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except FitError as e:
+            _fail(f"state gains: {e} (the maps in {path} are written, without gains)")
+    add_state_gains(path, gains)
+    t = Table(title=f"terminal-state gains ({len(windows)} windows of {ctx}; T = {_GAIN_TAIL}, "
+                    f"{_GAIN_FRACTION:.0%} exact rows, {_GAIN_SELECTOR} selector)")
+    for col in ("layer", "heads", "min", "mean", "max"):
+        t.add_column(col, justify="right")
+    for il, g in sorted(gains.items()):
+        t.add_row(str(il), str(g.size), f"{g.min():.4f}", f"{g.mean():.4f}", f"{g.max():.4f}")
+    out.print(t)
+    out.print(f"wrote the state gains into {path} (use them with RidgeFill(state_correction=\"gain\"))", highlight=False)
 
 
 def _read_text_option(text: Optional[list[Path]]) -> Optional[dict[str, list[tuple[str, str]]]]:

@@ -181,6 +181,11 @@ def bos_prefix(llm) -> list[int]:
     return [bos] if llm._model.add_bos_token() and bos >= 0 else []
 
 
+def heldout_windows(n_windows: int, every: int) -> set[int]:
+    """The calibration windows the fit holds out: every ``every``-th; with fewer, the last one."""
+    return {w for w in range(n_windows) if (w + 1) % every == 0} or {n_windows - 1}
+
+
 def calibration_tokens(llm, documents: Iterable[Document], budget: int) -> list[int]:
     """Tokens of ``documents`` (model tokenizer, no BOS), separated by EOS, up to ``budget``."""
     eos = llm.token_eos()
@@ -343,8 +348,7 @@ def fit_ridge_maps_for_splits(
         per_window = cap.per_window
         rows_per_window = opt.ctx - opt.skip_rows
         n_windows = len(tokens) // per_window
-        # every k-th window is held out; with fewer than k windows, the last one
-        heldout = {w for w in range(n_windows) if (w + 1) % opt.holdout_every == 0} or {n_windows - 1}
+        heldout = heldout_windows(n_windows, opt.holdout_every)
         n_train_windows = n_windows - len(heldout)
         needed = d + 1
         if n_windows < 2 or n_train_windows * rows_per_window < needed:

@@ -19,6 +19,8 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
 #: what libllama's filled-row prefill supports (csrc/llama-ridgefill-context.cpp refuses the rest)
 PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
+#: hybrid architectures: some layers are recurrent (Gated DeltaNet; ModelInfo.recurrent_layers)
+HYBRID_ARCHITECTURES = ("qwen35",)
 
 
 class GGUFFileError(ValueError):
@@ -280,7 +282,7 @@ def _swa_layers(md: dict[str, Any], arch: str, n_layer: int) -> tuple[int, ...]:
 
 
 def _recurrent_layers(md: dict[str, Any], arch: str, n_layer: int) -> tuple[int, ...]:
-    if arch != "qwen35":
+    if arch not in HYBRID_ARCHITECTURES:
         return ()
     arr = md.get(f"{arch}.attention.recurrent_layers")
     if isinstance(arr, list):

@@ -8,6 +8,10 @@ and the tests agree. A map file is a GGUF adapter::
     blk.{l}.ridgefill_a.weight  [n_embd, n_embd]  F16/F32, numpy [out, in]: ggml mul_mat(A, x) = A·x
     blk.{l}.ridgefill_b.bias    [n_embd]          F32
     for every late layer l = S+1 .. L-1          (l = S uses x_S itself)
+    blk.{l}.ridgefill_state_gain.weight [n_v_heads]  F32, optional (hybrid models, qwen35): the
+        per-value-head gains of the terminal-state correction (DESIGN §4 item 4;
+        :mod:`ridgefill_cpp.state_gains`), for every mapped layer l that is recurrent (Gated
+        DeltaNet) or for none; n_v_heads = the model's ``{arch}.ssm.time_step_rank``
 
 The map predicts the input of layer l from the split-layer state of the same row:
 ``x̂_l = A_l φ(x_S) + b_l`` where φ is the identity (``input_norm = "none"``) or RMS
@@ -87,6 +91,13 @@ def tensor_name_b(il: int) -> str:
     return f"blk.{il}.ridgefill_b.bias"
 
 
+def tensor_name_state_gain(il: int) -> str:
+    return f"blk.{il}.ridgefill_state_gain.weight"
+
+
+_STATE_GAIN_SUFFIX = ".ridgefill_state_gain.weight"
+
+
 class MapFileError(ValueError):
     """A map file that cannot be used: unreadable, malformed, non-finite, or for another model."""
 
@@ -125,6 +136,8 @@ class RidgeMaps:
     meta: MapFileMeta
     a: dict[int, np.ndarray]  # layer -> [n_embd, n_embd] (out, in), float32
     b: dict[int, np.ndarray]  # layer -> [n_embd], float32
+    #: terminal-state gains, mapped recurrent layer -> [n_v_heads] float32 (empty: none in the file)
+    g: dict[int, np.ndarray] = field(default_factory=dict)
 
     def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
         """x̂_l for rows ``xs`` ([n, n_embd] split-layer states), as the runtime computes it."""
@@ -178,6 +191,8 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
             a = np.ascontiguousarray(maps.a[il], dtype=np.float16 if dtype == "f16" else np.float32)
             w.add_tensor(tensor_name_a(il), a)
             w.add_tensor(tensor_name_b(il), np.ascontiguousarray(maps.b[il], dtype=np.float32))
+        for il in sorted(maps.g):
+            w.add_tensor(tensor_name_state_gain(il), np.ascontiguousarray(maps.g[il], dtype=np.float32))
     return path
 
 
@@ -203,6 +218,28 @@ def check_maps(maps: RidgeMaps) -> None:
             raise MapFileError(f"layer {il}: A {a.shape} / b {b.shape}, expected ({m.n_embd}, {m.n_embd}) / ({m.n_embd},)")
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise MapFileError(f"layer {il}: the map has NaN or Inf values")
+    check_state_gains(maps.g, want)
+
+
+def check_state_gains(gains: dict[int, np.ndarray], layers: Sequence[int]) -> None:
+    """Terminal-state gains: 1-D, one length for every layer, finite and positive, only for mapped
+    ``layers``. (Which layers must have them - every mapped recurrent layer - depends on the model:
+    :func:`compatibility_problems` and the runtime loader check that.)"""
+    stray = sorted(il for il in gains if il not in layers)
+    if stray:
+        raise MapFileError(f"state gains for layers {stray} that have no map (mapped layers: {list(layers)})")
+    lengths = set()
+    for il in sorted(gains):
+        g = np.asarray(gains[il])
+        if g.ndim != 1 or g.size == 0:
+            raise MapFileError(f"layer {il}: state gains of shape {g.shape}, expected one per value head (1-D)")
+        lengths.add(g.size)
+        if not np.isfinite(g).all():
+            raise MapFileError(f"layer {il}: the state gains have NaN or Inf values")
+        if not (g > 0).all():
+            raise MapFileError(f"layer {il}: state gains must be positive, got {float(g.min()):g}")
+    if len(lengths) > 1:
+        raise MapFileError(f"state gains of different lengths {sorted(lengths)} (one per value head in every layer)")
 
 
 def read_map_file(path: os.PathLike | str) -> RidgeMaps:
@@ -259,6 +296,12 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
             maps.a[il] = tensors[tensor_name_a(il)]
         if tensor_name_b(il) in tensors:
             maps.b[il] = tensors[tensor_name_b(il)]
+    for name, t in tensors.items():  # every gain tensor, so that a stray one is reported
+        if name.startswith("blk.") and name.endswith(_STATE_GAIN_SUFFIX):
+            try:
+                maps.g[int(name[len("blk."):-len(_STATE_GAIN_SUFFIX)])] = t
+            except ValueError:
+                raise MapFileError(f"{path}: unexpected tensor {name}") from None
     try:
         check_maps(maps)
     except MapFileError as e:
@@ -282,8 +325,10 @@ def map_file_splits(maps: Sequence[os.PathLike | str], model_path: os.PathLike |
     return splits
 
 
-def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str) -> list[str]:
-    """Why the maps do not fit the model at ``model_path`` (empty list: they fit)."""
+def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str,
+                           gains: dict[int, np.ndarray] | None = None) -> list[str]:
+    """Why the maps do not fit the model at ``model_path`` (empty list: they fit); with ``gains``
+    (:attr:`RidgeMaps.g`) also why the state gains do not (:func:`state_gain_problems`)."""
     from .fingerprint import model_fingerprint
     from .gguf_model import read_model_info
 
@@ -299,7 +344,28 @@ def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str) -> 
         fp = model_fingerprint(model_path)
         if fp != meta.fingerprint:
             problems.append(f"fingerprint: maps were fitted on {meta.fingerprint}, the model is {fp} (another checkpoint)")
+    if not problems and gains:
+        problems += state_gain_problems(gains, meta, model_path)
     return problems
+
+
+def state_gain_problems(gains: dict[int, np.ndarray], meta: MapFileMeta, model_path: os.PathLike | str) -> list[str]:
+    """Why the terminal-state gains do not fit the model (empty: they fit, or there are none): the
+    runtime wants gains for every mapped recurrent layer or for none, [n_v_heads] each."""
+    from .gguf_model import read_metadata, read_model_info
+
+    if not gains:
+        return []
+    info = read_model_info(model_path)
+    want = [il for il in meta.layers if il in info.recurrent_layers]
+    if sorted(gains) != want:
+        return [f"state gains: the file has them for layers {sorted(gains)}, the model's mapped recurrent "
+                f"layers are {want}"]
+    n_v = read_metadata(model_path).get(f"{info.architecture}.ssm.time_step_rank")
+    sizes = sorted({int(np.asarray(g).size) for g in gains.values()})
+    if n_v is not None and sizes != [int(n_v)]:
+        return [f"state gains: {sizes[0] if len(sizes) == 1 else sizes} per layer, the model has {n_v} value heads"]
+    return []
 
 
 def tuned_defaults_from_metadata(md: dict[str, Any], path: os.PathLike | str = "") -> dict[str, Any] | None:
@@ -383,29 +449,51 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
     if not 0.0 <= values["exact_fraction"] <= 1.0:
         raise ValueError(f"tuned exact_fraction {values['exact_fraction']} outside [0, 1]")
 
+    return rewrite_map_file(
+        path, drop_key=lambda name: name.startswith(TUNED_PREFIX),
+        add_keys=[(TUNED_PREFIX + name, value, getattr(gguf.GGUFValueType, TUNED_KEYS[name][0]))
+                  for name, value in values.items()])
+
+
+def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None = None, *,
+                     drop_key=lambda name: False, add_keys: Sequence[tuple[str, Any, Any]] = (),
+                     drop_tensor=lambda name: False, add_tensors: Sequence[tuple[str, np.ndarray]] = ()) -> Path:
+    """Copy the GGUF at ``path`` to ``out_path`` (default: ``path`` itself) with every key and tensor
+    (tensor bytes included, F16 stays F16) except those ``drop_key`` / ``drop_tensor`` accept, then
+    ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array)). Atomic: a
+    temporary file next to the output, then a rename (a symlink is followed; the output gets the
+    source's permission bits); on any error the output is left as it was."""
+    import gguf
+
+    path = Path(path).resolve()
+    out_path = path if out_path is None else Path(out_path).resolve()
     mode = path.stat().st_mode & 0o7777
     reader = gguf.GGUFReader(path, "r")
     arch = reader.fields["general.architecture"].contents()
-    with atomic_gguf_writer(path, arch) as w:
+    with atomic_gguf_writer(out_path, arch) as w:
         os.chmod(w.path, mode)
         for name, fld in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture" or name.startswith(TUNED_PREFIX):
+            if name.startswith("GGUF.") or name == "general.architecture" or drop_key(name):
                 continue
             kind = fld.types[0]
             sub = fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
             if name == "general.alignment":
                 w.data_alignment = int(fld.contents())
             w.add_key_value(name, fld.contents(), kind, sub_type=sub)
-        for name, value in values.items():
-            w.add_key_value(TUNED_PREFIX + name, value, getattr(gguf.GGUFValueType, TUNED_KEYS[name][0]))
+        for name, value, kind in add_keys:
+            w.add_key_value(name, value, kind)
         for t in reader.tensors:
+            if drop_tensor(t.name):
+                continue
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 w.add_tensor(t.name, np.asarray(t.data).reshape(shape))
             else:
                 w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        for name, arr in add_tensors:
+            w.add_tensor(name, arr)
     del reader
-    return path
+    return out_path
 
 
 def summary_rows(meta: MapFileMeta) -> list[dict[str, Any]]:
@@ -427,4 +515,4 @@ def map_tensor_bytes(path: os.PathLike | str) -> int:
     from gguf import GGUFReader
 
     return int(sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
-                   if t.name.endswith((".ridgefill_a.weight", ".ridgefill_b.bias"))))
+                   if t.name.endswith((".ridgefill_a.weight", ".ridgefill_b.bias", _STATE_GAIN_SUFFIX))))
