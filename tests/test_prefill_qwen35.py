@@ -196,6 +196,32 @@ def test_filled_rows_change_the_state(model, oracle, prompt, map_file):
         llm.close()
 
 
+@pytest.mark.parametrize("n_ubatch", [8, 64])
+def test_state_correction_matches_the_oracle(n_ubatch, model, oracle, prompt, map_file, tmp_path):
+    """state_correction="gain": the first tail chunk of each mapped GDN layer starts from its boundary
+    state times the map file's per-head gains, as the oracle's fill_forward(state_gains=)."""
+    from ridgefill_cpp.state_gains import add_state_gains
+
+    gains = {4: np.array([0.7, 0.85, 1.1, 1.3], dtype=np.float32)}
+    path = add_state_gains(map_file, gains, tmp_path / "gains.ridgefill.gguf")
+    maps = read_map_file(path)
+    exact = [0, 5, 60, 120]
+    plain = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=exact)
+    ref = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=exact,
+                       state_gains={il: torch.from_numpy(g) for il, g in gains.items()})
+    assert _rel(ref.last_logits.numpy(), plain.last_logits.numpy()) > 1e-3  # the gains matter
+    rf = RidgeFill(path, tail=TAIL, selector=exact, min_prompt=0, state_correction="gain")
+    llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
+    try:
+        llm.ridgefill_record_boundary_states()
+        llm.eval(prompt)
+        _check_against(llm, ref, oracle, N_TOKENS)
+        # the recorded boundary state is the one before the correction
+        assert _rel(llm.ridgefill_boundary_state(4), _state(ref.boundary_states[4])) < TOL
+    finally:
+        llm.close()
+
+
 def test_attention_selector_matches_the_oracle(model, oracle, prompt, map_file):
     """The selector scores at the last full-attention layer below S (layer 2; GDN layers have no
     attention), then the plan matches the oracle with the oracle's own selection."""
