@@ -132,7 +132,7 @@ def info(
                 problems = compatibility_problems(maps.meta, model, maps.g)
             except GGUFFileError as e:
                 _fail(str(e))
-        _show_map_file(file, maps.meta, problems, model, as_json, gains=maps.g)
+        _show_map_file(file, maps.meta, problems, model, as_json, gains=maps.g, gain_settings=maps.state_gain_settings)
         if problems:
             raise typer.Exit(1)
         return
@@ -160,7 +160,25 @@ def _quality_table(meta, title: str) -> Table:
     return q
 
 
-def _show_map_file(path, meta, problems, model, as_json: bool, gains=None) -> None:
+def _state_gain_settings_text(s: dict) -> str:
+    """The operating point the state gains were fitted at, in words ('' when the file does not say)."""
+    if not s:
+        return ""
+    parts = []
+    if "tail" in s:
+        parts.append(f"T = {s['tail']}")
+    if "exact_fraction" in s:
+        parts.append(f"exact fraction {s['exact_fraction']:g}")
+    if "selector" in s:
+        parts.append(f"selector {s['selector']}")
+    if "value_rescale" in s:
+        parts.append(f"value rescale {s['value_rescale']}")
+    if "windows" in s or "window_rows" in s:
+        parts.append(f"{s.get('windows', '?')} windows of {s.get('window_rows', '?')} rows")
+    return "fitted at " + ", ".join(parts)
+
+
+def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_settings=None) -> None:
     from dataclasses import asdict
 
     from .gguf_model import HYBRID_ARCHITECTURES
@@ -175,6 +193,7 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None) -> No
         d["tuned"] = tuned
         d["has_state_gains"] = bool(gains)
         d["state_gains"] = {str(il): [float(x) for x in g] for il, g in sorted(gains.items())} if gains else None
+        d["state_gain_settings"] = dict(gain_settings or {}) if gains else None
         if problems is not None:
             d["fits_model"] = {"model": str(model), "ok": not problems, "problems": problems}
         print(json.dumps(d, indent=2))
@@ -200,6 +219,7 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None) -> No
     if gains:
         t.add_row("state gains", "; ".join(f"layer {il}: {g.size} heads, {float(g.min()):.3f} / {float(g.mean()):.3f} / "
                                            f"{float(g.max()):.3f} (min / mean / max)" for il, g in sorted(gains.items()))
+                  + f"; {_state_gain_settings_text(gain_settings or {}) or 'operating point not recorded'}"
                   + " - for RidgeFill(state_correction=\"gain\")")
     elif meta.architecture in HYBRID_ARCHITECTURES:
         t.add_row("state gains", "none (ridgefill-gguf fit --state-gains writes them)")
@@ -221,7 +241,7 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None) -> No
 
 
 #: the plan the state gains of ``fit`` are measured with (RidgeFill's built-in defaults)
-_GAIN_TAIL, _GAIN_FRACTION, _GAIN_SELECTOR = 64, 0.10, "attention"
+_GAIN_TAIL, _GAIN_FRACTION, _GAIN_SELECTOR, _GAIN_VALUE_RESCALE = 64, 0.10, "attention", 512
 
 
 @app.command()
@@ -352,11 +372,13 @@ def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ct
         task = bar.add_task("gains", total=2 * len(windows))
         try:
             gains = fit_state_gains(model, path, windows, tail=_GAIN_TAIL, fraction=_GAIN_FRACTION,
-                                    selector=_GAIN_SELECTOR, n_threads=threads,
+                                    selector=_GAIN_SELECTOR, value_rescale=_GAIN_VALUE_RESCALE, n_threads=threads,
                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
         except FitError as e:
             _fail(f"state gains: {e} (the maps in {path} are written, without gains)")
-    add_state_gains(path, gains)
+    add_state_gains(path, gains, settings={
+        "tail": _GAIN_TAIL, "exact_fraction": _GAIN_FRACTION, "selector": _GAIN_SELECTOR,
+        "value_rescale": _GAIN_VALUE_RESCALE, "windows": len(windows), "window_rows": max(len(w) for w in windows)})
     t = Table(title=f"terminal-state gains ({len(windows)} windows of {ctx}; T = {_GAIN_TAIL}, "
                     f"{_GAIN_FRACTION:.0%} exact rows, {_GAIN_SELECTOR} selector)")
     for col in ("layer", "heads", "min", "mean", "max"):

@@ -11,7 +11,9 @@ and the tests agree. A map file is a GGUF adapter::
     blk.{l}.ridgefill_state_gain.weight [n_v_heads]  F32, optional (hybrid models, qwen35): the
         per-value-head gains of the terminal-state correction (DESIGN §4 item 4;
         :mod:`ridgefill_cpp.state_gains`), for every mapped layer l that is recurrent (Gated
-        DeltaNet) or for none; n_v_heads = the model's ``{arch}.ssm.time_step_rank``
+        DeltaNet) or for none; n_v_heads = the model's ``{arch}.ssm.time_step_rank``; with them,
+        optionally, ``ridgefill.state_gain.*``: the operating point they were fitted at
+        (:data:`STATE_GAIN_KEYS`; files written before these keys existed have none)
 
 The map predicts the input of layer l from the split-layer state of the same row:
 ``x̂_l = A_l φ(x_S) + b_l`` where φ is the identity (``input_norm = "none"``) or RMS
@@ -54,6 +56,23 @@ KEY_REL_ERR = "ridgefill.quality.rel_err_median"
 KEY_ID_REL_ERR = "ridgefill.quality.identity_rel_err_median"
 KEY_FINGERPRINT = "ridgefill.model.fingerprint"
 KEY_MODEL_NAME = "ridgefill.model.name"
+# the operating point the state gains were fitted at (optional, only with state-gain tensors)
+KEY_STATE_GAIN_TAIL = "ridgefill.state_gain.tail"
+KEY_STATE_GAIN_FRACTION = "ridgefill.state_gain.exact_fraction"
+KEY_STATE_GAIN_SELECTOR = "ridgefill.state_gain.selector"
+KEY_STATE_GAIN_VALUE_RESCALE = "ridgefill.state_gain.value_rescale"
+KEY_STATE_GAIN_WINDOWS = "ridgefill.state_gain.windows"
+KEY_STATE_GAIN_WINDOW_ROWS = "ridgefill.state_gain.window_rows"
+STATE_GAIN_PREFIX = "ridgefill.state_gain."
+#: state-gain setting (:attr:`RidgeMaps.state_gain_settings` name) -> (metadata key, GGUF value type name, what it is)
+STATE_GAIN_KEYS: dict[str, tuple[str, str, str]] = {
+    "tail": (KEY_STATE_GAIN_TAIL, "UINT32", "T, the last prompt rows kept exact"),
+    "exact_fraction": (KEY_STATE_GAIN_FRACTION, "FLOAT32", "share of the prefix rows the selector keeps exact"),
+    "selector": (KEY_STATE_GAIN_SELECTOR, "STRING", "exact-row selector"),
+    "value_rescale": (KEY_STATE_GAIN_VALUE_RESCALE, "UINT32", "c, the value-scale rows (0: off)"),
+    "windows": (KEY_STATE_GAIN_WINDOWS, "UINT32", "calibration windows the gains were fitted on"),
+    "window_rows": (KEY_STATE_GAIN_WINDOW_ROWS, "UINT32", "rows per calibration window"),
+}
 
 #: the operating point chosen by ``ridgefill-gguf tune`` (optional; :func:`read_tuned_defaults`)
 TUNED_PREFIX = "ridgefill.tuned."
@@ -138,6 +157,10 @@ class RidgeMaps:
     b: dict[int, np.ndarray]  # layer -> [n_embd], float32
     #: terminal-state gains, mapped recurrent layer -> [n_v_heads] float32 (empty: none in the file)
     g: dict[int, np.ndarray] = field(default_factory=dict)
+    #: the operating point the gains were fitted at (:data:`STATE_GAIN_KEYS` names: tail,
+    #: exact_fraction, selector, value_rescale, windows, window_rows); empty when the file does not
+    #: record it (older files) or has no gains
+    state_gain_settings: dict[str, Any] = field(default_factory=dict)
 
     def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
         """x̂_l for rows ``xs`` ([n, n_embd] split-layer states), as the runtime computes it."""
@@ -191,9 +214,65 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
             a = np.ascontiguousarray(maps.a[il], dtype=np.float16 if dtype == "f16" else np.float32)
             w.add_tensor(tensor_name_a(il), a)
             w.add_tensor(tensor_name_b(il), np.ascontiguousarray(maps.b[il], dtype=np.float32))
+        if maps.g:
+            for key, value, kind in state_gain_key_values(maps.state_gain_settings):
+                w.add_key_value(key, value, kind)
         for il in sorted(maps.g):
             w.add_tensor(tensor_name_state_gain(il), np.ascontiguousarray(maps.g[il], dtype=np.float32))
     return path
+
+
+def state_gain_key_values(settings: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+    """``(key, value, GGUFValueType)`` of the ``ridgefill.state_gain.*`` keys for ``settings``
+    (:data:`STATE_GAIN_KEYS` names; None values are left out). Raises ``ValueError`` for an unknown
+    name or a value of the wrong kind."""
+    import gguf
+
+    settings = dict(settings or {})
+    unknown = [k for k in settings if k not in STATE_GAIN_KEYS]
+    if unknown:
+        raise ValueError(f"unknown state-gain settings: {', '.join(unknown)} (known: {', '.join(STATE_GAIN_KEYS)})")
+    out = []
+    for name, (key, kind, _) in STATE_GAIN_KEYS.items():
+        value = settings.get(name)
+        if value is None:
+            continue
+        if kind == "STRING":
+            value = str(value)
+            if not value:
+                raise ValueError(f"state-gain {name} must not be empty")
+        elif kind == "UINT32":
+            if isinstance(value, bool) or int(value) != value or not 0 <= int(value) < 2**32:
+                raise ValueError(f"state-gain {name} = {value!r} must be a non-negative integer")
+            value = int(value)
+        else:
+            value = float(value)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"state-gain {name} = {value!r} outside [0, 1]")
+        out.append((key, value, getattr(gguf.GGUFValueType, kind)))
+    return out
+
+
+def state_gain_settings_from_metadata(md: dict[str, Any], path: os.PathLike | str = "") -> dict[str, Any]:
+    """The ``ridgefill.state_gain.*`` values of a map file's metadata as ``{name: value}`` (empty
+    when it has none). Raises :class:`MapFileError` on unknown or ill-typed keys."""
+    where = f"{path}: " if str(path) else ""
+    by_key = {key: (name, kind) for name, (key, kind, _) in STATE_GAIN_KEYS.items()}
+    out: dict[str, Any] = {}
+    for key, value in md.items():
+        if not key.startswith(STATE_GAIN_PREFIX):
+            continue
+        if key not in by_key:
+            raise MapFileError(f"{where}unknown state-gain key {key}")
+        name, kind = by_key[key]
+        ok = (isinstance(value, str) if kind == "STRING" else
+              isinstance(value, int) and not isinstance(value, bool) if kind == "UINT32" else
+              isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            raise MapFileError(f"{where}{key} = {value!r} is not a {kind.lower()}")
+        # an F32 in the file: the shortest decimal that round-trips to the same float32 (0.1, not 0.100000001)
+        out[name] = float(np.format_float_positional(np.float32(value), unique=True)) if kind == "FLOAT32" else value
+    return {k: out[k] for k in STATE_GAIN_KEYS if k in out}
 
 
 def check_maps(maps: RidgeMaps) -> None:
@@ -244,7 +323,9 @@ def check_state_gains(gains: dict[int, np.ndarray], layers: Sequence[int]) -> No
 
 def read_map_file(path: os.PathLike | str) -> RidgeMaps:
     """Read and check a map file. Raises :class:`MapFileError` saying what is wrong."""
-    from .gguf_model import GGUFFileError, read_metadata, read_tensors
+    from gguf import GGMLQuantizationType
+
+    from .gguf_model import GGUFFileError, read_header, read_metadata, read_tensors
 
     try:
         md = read_metadata(path)
@@ -287,6 +368,13 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
     if md.get(KEY_INPUT_NORM) != meta.input_norm:
         raise MapFileError(f"{path}: input_norm {md.get(KEY_INPUT_NORM)!r} does not match objective {meta.objective!r}")
     try:
+        _, header = read_header(path)
+    except GGUFFileError as e:
+        raise MapFileError(str(e)) from None
+    for t in header:  # before reading the data: the C++ loader takes F32 gains only
+        if t.name.endswith(_STATE_GAIN_SUFFIX) and t.ggml_type != GGMLQuantizationType.F32:
+            raise MapFileError(f"{path}: {t.name} is {_ggml_type_name(t.ggml_type)}, state gains must be F32")
+    try:
         tensors = read_tensors(path)
     except GGUFFileError as e:
         raise MapFileError(str(e)) from None
@@ -302,11 +390,22 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
                 maps.g[int(name[len("blk."):-len(_STATE_GAIN_SUFFIX)])] = t
             except ValueError:
                 raise MapFileError(f"{path}: unexpected tensor {name}") from None
+    if maps.g:
+        maps.state_gain_settings = state_gain_settings_from_metadata(md, path)
     try:
         check_maps(maps)
     except MapFileError as e:
         raise MapFileError(f"{path}: {e}") from None
     return maps
+
+
+def _ggml_type_name(t: int | None) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(t).name
+    except ValueError:
+        return f"ggml type {t}"
 
 
 def map_file_splits(maps: Sequence[os.PathLike | str], model_path: os.PathLike | str) -> list[int]:

@@ -177,18 +177,27 @@ def calibration_windows(model_path: os.PathLike | str, documents: Iterable, *, n
 
 
 def add_state_gains(map_path: os.PathLike | str, gains: dict[int, np.ndarray],
-                    out_path: os.PathLike | str | None = None) -> Path:
+                    out_path: os.PathLike | str | None = None, *, settings: dict | None = None) -> Path:
     """Rewrite the map file at ``map_path`` (or write ``out_path``) with ``gains`` as its state-gain
     tensors, replacing any it had; every other key and tensor is copied unchanged (an F16 A stays
-    F16, tuned defaults stay). Atomic (:func:`ridgefill_cpp.mapfile.rewrite_map_file`). Raises
+    F16, tuned defaults stay). ``settings`` is the operating point the gains were fitted at
+    (``tail``, ``exact_fraction``, ``selector``, ``value_rescale``, ``windows``, ``window_rows``:
+    :data:`ridgefill_cpp.mapfile.STATE_GAIN_KEYS`), written as ``ridgefill.state_gain.*`` keys; the
+    keys of earlier gains are always dropped (with no ``settings``, or no ``gains``, the file records
+    none). Atomic (:func:`ridgefill_cpp.mapfile.rewrite_map_file`). Raises
     :class:`~ridgefill_cpp.mapfile.MapFileError` for gains that are not finite, positive, 1-D and
-    for mapped layers."""
-    from .mapfile import _STATE_GAIN_SUFFIX, check_maps, read_map_file, rewrite_map_file, tensor_name_state_gain
+    for mapped layers, ``ValueError`` for unknown or ill-typed settings."""
+    from .mapfile import (_STATE_GAIN_SUFFIX, STATE_GAIN_PREFIX, check_maps, read_map_file, rewrite_map_file,
+                          state_gain_key_values, tensor_name_state_gain)
 
     maps = read_map_file(map_path)
     maps.g = {int(il): np.ascontiguousarray(g, dtype=np.float32) for il, g in gains.items()}
     check_maps(maps)
-    return rewrite_map_file(map_path, out_path, drop_tensor=lambda name: name.endswith(_STATE_GAIN_SUFFIX),
+    keys = state_gain_key_values(settings)  # checked even when there are no gains to go with
+    if not maps.g:
+        keys = []
+    return rewrite_map_file(map_path, out_path, drop_key=lambda name: name.startswith(STATE_GAIN_PREFIX),
+                            add_keys=keys, drop_tensor=lambda name: name.endswith(_STATE_GAIN_SUFFIX),
                             add_tensors=[(tensor_name_state_gain(il), maps.g[il]) for il in sorted(maps.g)])
 
 

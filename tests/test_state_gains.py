@@ -110,6 +110,131 @@ def test_tuned_defaults_and_add_state_gains_keep_each_other(tmp_path):
     assert [q.name for q in tmp_path.iterdir() if q.name.startswith(".")] == []
 
 
+SETTINGS = {"tail": 12, "exact_fraction": 0.1, "selector": "probe", "value_rescale": 256, "windows": 5,
+            "window_rows": 96}
+
+
+def test_gain_settings_round_trip_through_add_state_gains(tmp_path):
+    import gguf
+
+    from ridgefill_cpp.state_gains import add_state_gains
+
+    g = np.array([0.5, 0.8], dtype=np.float32)
+    p = write_map_file(tmp_path / "m.gguf", _maps({4: g}))
+    assert read_map_file(p).state_gain_settings == {}  # a file without the keys (as before they existed) reads
+    mapfile.write_tuned_defaults(p, {"tail": 20, "exact_fraction": 0.3, "selector": "none"})
+    add_state_gains(p, {4: g}, settings=SETTINGS)
+    back = read_map_file(p)
+    assert back.state_gain_settings == SETTINGS and np.array_equal(back.g[4], g)
+    fields = gguf.GGUFReader(p).fields
+    kinds = {mapfile.KEY_STATE_GAIN_TAIL: gguf.GGUFValueType.UINT32,
+             mapfile.KEY_STATE_GAIN_FRACTION: gguf.GGUFValueType.FLOAT32,
+             mapfile.KEY_STATE_GAIN_SELECTOR: gguf.GGUFValueType.STRING,
+             mapfile.KEY_STATE_GAIN_VALUE_RESCALE: gguf.GGUFValueType.UINT32,
+             mapfile.KEY_STATE_GAIN_WINDOWS: gguf.GGUFValueType.UINT32,
+             mapfile.KEY_STATE_GAIN_WINDOW_ROWS: gguf.GGUFValueType.UINT32}
+    assert {k: fields[k].types[0] for k in kinds} == kinds
+    assert fields["ridgefill.state_gain.selector"].contents() == "probe"
+    assert mapfile.read_tuned_defaults(p)["tail"] == 20  # the tuned keys stay
+
+    # new gains with new settings: the old keys are replaced, not merged
+    add_state_gains(p, {4: g * 2}, settings={"tail": 32, "selector": "attention"})
+    assert read_map_file(p).state_gain_settings == {"tail": 32, "selector": "attention"}
+    assert sum(k.startswith(mapfile.STATE_GAIN_PREFIX) for k in gguf.GGUFReader(p).fields) == 2
+    # new gains without settings: the file no longer claims an operating point
+    add_state_gains(p, {4: g}, settings=None)
+    assert read_map_file(p).state_gain_settings == {}
+    # gains removed: their keys go with them
+    add_state_gains(p, {4: g}, settings=SETTINGS)
+    add_state_gains(p, {}, settings=SETTINGS)
+    back = read_map_file(p)
+    assert back.g == {} and back.state_gain_settings == {}
+    assert not any(k.startswith(mapfile.STATE_GAIN_PREFIX) for k in gguf.GGUFReader(p).fields)
+    assert mapfile.read_tuned_defaults(p)["tail"] == 20
+    # bad settings: refused, the file left as it was
+    digest = p.read_bytes()
+    for bad, message in (({"tails": 3}, "unknown state-gain settings: tails"),
+                         ({"tail": -1}, "non-negative integer"), ({"tail": 2.5}, "non-negative integer"),
+                         ({"exact_fraction": 1.5}, r"outside \[0, 1\]"), ({"selector": ""}, "must not be empty")):
+        with pytest.raises(ValueError, match=message):
+            add_state_gains(p, {4: g}, settings=bad)
+    assert p.read_bytes() == digest
+
+    # write_map_file writes RidgeMaps.state_gain_settings with the gains (and none without gains)
+    m = _maps({4: g})
+    m.state_gain_settings = dict(SETTINGS)
+    assert read_map_file(write_map_file(tmp_path / "w.gguf", m)).state_gain_settings == SETTINGS
+    m = _maps()
+    m.state_gain_settings = dict(SETTINGS)
+    assert not any(k.startswith(mapfile.STATE_GAIN_PREFIX)
+                   for k in gguf.GGUFReader(write_map_file(tmp_path / "n.gguf", m)).fields)
+
+
+def test_ill_typed_or_unknown_gain_settings_are_refused_on_read(tmp_path):
+    import gguf
+
+    p = write_map_file(tmp_path / "m.gguf", _maps({4: np.ones(2, np.float32)}))
+    for key, value, kind, message in (
+            (mapfile.KEY_STATE_GAIN_TAIL, "64", gguf.GGUFValueType.STRING, "is not a uint32"),
+            ("ridgefill.state_gain.colour", 1, gguf.GGUFValueType.UINT32, "unknown state-gain key")):
+        bad = mapfile.rewrite_map_file(p, tmp_path / "bad.gguf", add_keys=[(key, value, kind)])
+        with pytest.raises(MapFileError, match=message):
+            read_map_file(bad)
+
+
+def test_info_shows_the_gain_settings(cli, tmp_path):
+    from ridgefill_cpp.state_gains import add_state_gains
+
+    g = np.array([0.5, 0.8], dtype=np.float32)
+    p = write_map_file(tmp_path / "m.gguf", _maps({4: g}))
+    res = cli("info", "--json", p)
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["has_state_gains"] and d["state_gain_settings"] == {}
+    assert "operating point not recorded" in cli("info", p).output
+    add_state_gains(p, {4: g}, settings=SETTINGS)
+    d = json.loads(cli("info", "--json", p).output)
+    assert d["state_gain_settings"] == SETTINGS
+    res = cli("info", p)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    for part in ("fitted at T = 12", "exact fraction 0.1", "selector probe", "value rescale 256", "5 windows of 96 rows"):
+        assert part in text, res.output
+    plain = write_map_file(tmp_path / "plain.gguf", _maps())
+    d = json.loads(cli("info", "--json", plain).output)
+    assert d["has_state_gains"] is False and d["state_gain_settings"] is None
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_gain_tensors_that_are_not_f32_are_refused(tmp_path, dtype):
+    """The C++ loader takes F32 gains only; the Python reader says so instead of converting."""
+    import gguf
+
+    m = _maps()
+    path = tmp_path / "f16-gains.gguf"
+    w = gguf.GGUFWriter(path, "qwen35")  # written with gguf-py directly, keys as write_map_file writes them
+    src = gguf.GGUFReader(write_map_file(tmp_path / "src.gguf", m, dtype="f32"))
+    for name, fld in src.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = fld.types[0]
+        w.add_key_value(name, fld.contents(), kind,
+                        sub_type=fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.add_tensor(mapfile.tensor_name_state_gain(4), np.array([0.5, 1.5], dtype=dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    del src
+    kind = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}[mapfile.tensor_name_state_gain(4)]
+    assert kind == (gguf.GGMLQuantizationType.F16 if dtype == np.float16 else gguf.GGMLQuantizationType.F64)
+    with pytest.raises(MapFileError, match=rf"blk\.4\.ridgefill_state_gain\.weight is {kind.name}, "
+                                           r"state gains must be F32"):
+        read_map_file(path)
+
+
 # -- fitted with llama.cpp on the tiny qwen35 ----------------------------------------------------
 
 
@@ -225,6 +350,10 @@ def test_cli_fit_state_gains_then_prefill_with_them(cli, tiny_models, tmp_path):
     assert "terminal-state gains" in res.output and "wrote the state gains" in res.output
     with_gains = read_map_file(tmp_path / "gains.gguf")
     assert set(with_gains.g) == {4} and (with_gains.g[4] > 0).all()
+    # the operating point the gains were fitted at: fit's built-in plan, on 3 windows of --ctx rows
+    fitted_at = {"tail": 64, "exact_fraction": 0.1, "selector": "attention", "value_rescale": 512, "windows": 3,
+                 "window_rows": CTX}
+    assert with_gains.state_gain_settings == fitted_at
     res = cli("fit", model, *args, "--no-state-gains", "-o", tmp_path / "plain.gguf")
     assert res.exit_code == 0, res.output
     assert read_map_file(tmp_path / "plain.gguf").g == {} and "state gains" not in res.output
@@ -233,9 +362,11 @@ def test_cli_fit_state_gains_then_prefill_with_them(cli, tiny_models, tmp_path):
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["has_state_gains"] and d["state_gains"]["4"] == pytest.approx([float(x) for x in with_gains.g[4]])
+    assert d["state_gain_settings"] == fitted_at
     assert json.loads(cli("info", "--json", tmp_path / "plain.gguf").output)["has_state_gains"] is False
     res = cli("info", tmp_path / "gains.gguf", "--model", model)
     assert res.exit_code == 0 and "state gains" in res.output and "the maps fit" in res.output
+    assert "fitted at T = 64, exact fraction 0.1, selector attention, value rescale 512" in " ".join(res.output.split())
     assert "fit --state-gains" in cli("info", tmp_path / "plain.gguf").output
     # gains that do not fit the model: info --model says why
     from ridgefill_cpp.state_gains import add_state_gains
