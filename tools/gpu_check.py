@@ -13,6 +13,7 @@ make native``, or the libraries of ``tools/check_cuda_build.sh`` pointed to by
    prefill alternated, median TTFT, speedup and the ceiling 1/r of DESIGN §4.
 
     python tools/gpu_check.py [--out DIR] [--lengths 2048,8192,16384] [--repeats 5]
+    python tools/gpu_check.py --skip-agreement --speed-shape 9b-width --fit-tokens 0 --flash-attn
 """
 
 from __future__ import annotations
@@ -32,9 +33,20 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 F32 = 0  # GGML_TYPE_F32
-SPEED_SHAPE = dict(n_ctx=32768, n_embd=768, n_layer=12, full_attention_interval=4, n_head=6, n_head_kv=2, head_dim=128,
-                   n_rot=64, rope_sections=(11, 11, 10, 0), ssm_head_dim=128, ssm_n_k_heads=2, ssm_n_v_heads=6,
-                   n_ff=2048, dtype="f16")
+SPEED_SHAPES = {
+    # 12 layers (attention every 4th), d = 768: small enough to fit maps in seconds
+    "small": dict(n_ctx=32768, n_embd=768, n_layer=12, full_attention_interval=4, n_head=6, n_head_kv=2, head_dim=128,
+                  n_rot=64, rope_sections=(11, 11, 10, 0), ssm_head_dim=128, ssm_n_k_heads=2, ssm_n_v_heads=6,
+                  n_ff=2048, dtype="f16"),
+    # Qwen3.5-9B's layer shapes (d 4096, 16/4 heads of 256 with 64 rotary dims, 16/32 delta-net heads of
+    # 128, FFN 12288), 12 of its 32 layers: 2.6B parameters
+    "9b-width": dict(n_ctx=32768, n_embd=4096, n_layer=12, full_attention_interval=4, n_head=16, n_head_kv=4,
+                     head_dim=256, n_rot=64, rope_sections=(11, 11, 10, 0), ssm_head_dim=128, ssm_n_k_heads=16,
+                     ssm_n_v_heads=32, n_ff=12288, dtype="f16"),
+    # a dense llama with Llama-3-8B's layer shapes (d 4096, 32/8 heads of 128, FFN 14336), 12 layers
+    "8b-width-llama": dict(arch="llama", n_ctx=32768, n_embd=4096, n_layer=12, n_head=32, n_head_kv=8, head_dim=128,
+                           n_ff=14336, qkv_bias=False, rope_freq_base=500000.0, dtype="f16"),
+}
 
 
 def rel(a, b) -> float:
@@ -71,7 +83,9 @@ def agreement(tmp: pathlib.Path, n_gpu_layers: int) -> dict:
     for arch in ("llama", "qwen3", "gemma3", "qwen35"):
         r = out[arch] = {}
         try:
-            model = mtm.make_tiny_model(arch, tmp / f"tiny-{arch}.gguf", seed=0)
+            # CUDA's gated_delta_net kernel takes state heads of 16, 32, 64 or 128 (the tiny default is 8)
+            extra = dict(ssm_head_dim=16) if arch == "qwen35" else {}
+            model = mtm.make_tiny_model(arch, tmp / f"tiny-{arch}.gguf", seed=0, **extra)
             o = load_oracle(model, dtype=torch.float64)
             S = o.n_layer // 2
             maps_path = write_map_file(tmp / f"{arch}.maps.gguf", fit_ridge_maps(
@@ -115,22 +129,39 @@ def agreement(tmp: pathlib.Path, n_gpu_layers: int) -> dict:
     return out
 
 
-def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int, fit_tokens: int) -> dict:
+def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int, fit_tokens: int, shape: str,
+          flash_attn: bool) -> dict:
     import tiny_qwen35
     from ridgefill_cpp import Llama, RidgeFill, corpus
     from ridgefill_cpp.bench import kl_divergence, last_logits, prompt_tokens
     from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
     from ridgefill_cpp.mapfile import write_map_file
 
-    model = tiny_qwen35.build_qwen35(tmp / "small-qwen35.gguf", seed=0, **SPEED_SHAPE)
     t0 = time.perf_counter()
-    res = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=fit_tokens, ctx=512))
-    maps = write_map_file(tmp / "small-qwen35.maps.gguf", res.maps, dtype="f16")
-    out = {"shape": SPEED_SHAPE, "split": res.maps.meta.split_layer, "fit_s": time.perf_counter() - t0, "rows": []}
+    cfg = dict(SPEED_SHAPES[shape])
+    arch = cfg.pop("arch", "qwen35")
+    if arch == "qwen35":
+        model = tiny_qwen35.build_qwen35(tmp / f"{shape}.gguf", seed=0, **cfg)
+    else:
+        import make_tiny_models as mtm
+
+        model = mtm.make_tiny_model(arch, tmp / f"{shape}.gguf", seed=0, **cfg)
+    out = {"shape": shape, "config": SPEED_SHAPES[shape], "build_s": time.perf_counter() - t0, "flash_attn": flash_attn,
+           "rows": []}
+    if fit_tokens > 0:
+        t0 = time.perf_counter()
+        res = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=fit_tokens, ctx=512))
+        maps = write_map_file(tmp / f"{shape}.maps.gguf", res.maps, dtype="f16")
+        out.update(split=res.maps.meta.split_layer, fit_s=time.perf_counter() - t0, fill="ridge maps")
+        setting = RidgeFill(maps, min_prompt=0)
+    else:  # identity fill at the default split: no maps to fit (the map costs one d x d product per filled row)
+        split = cfg["n_layer"] - cfg["n_layer"] // 3
+        out.update(split=split, fill="identity")
+        setting = RidgeFill.identity(split, min_prompt=0)
     n_ctx = max(lengths) + 16
-    kw = dict(n_ctx=n_ctx, n_batch=2048, n_ubatch=512, verbose=False, n_gpu_layers=n_gpu_layers)
+    kw = dict(n_ctx=n_ctx, n_batch=2048, n_ubatch=512, verbose=False, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn)
     stock = Llama(str(model), **kw)
-    rf = Llama(str(model), ridgefill=RidgeFill(maps, min_prompt=0), **kw)
+    rf = Llama(str(model), ridgefill=setting, **kw)
     prompt = prompt_tokens(stock, max(lengths))
     for llm in (stock, rf):  # warm-up
         llm.reset()
@@ -164,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="2048,8192,16384")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--n-gpu-layers", type=int, default=-1)
-    ap.add_argument("--fit-tokens", type=int, default=20000, help="calibration tokens of the speed model's maps")
+    ap.add_argument("--fit-tokens", type=int, default=20000,
+                    help="calibration tokens of the speed model's maps (0: identity fill, no maps)")
+    ap.add_argument("--speed-shape", choices=sorted(SPEED_SHAPES), default="small")
+    ap.add_argument("--flash-attn", action="store_true", help="flash attention (F16 KV) in the speed runs")
+    ap.add_argument("--skip-agreement", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     args = ap.parse_args(argv)
 
@@ -174,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     info = N.build_info()
     print(json.dumps(info), flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="ridgefill-gpu-"))
-    result = {"build": info, "agreement": agreement(tmp, args.n_gpu_layers)}
+    result = {"build": info}
+    if not args.skip_agreement:
+        result["agreement"] = agreement(tmp, args.n_gpu_layers)
     (args.out / "gpu-check.json").write_text(json.dumps(result, indent=1))
     if not args.skip_speed:
         try:
             result["speed"] = speed(tmp, [int(x) for x in args.lengths.split(",")], args.repeats, args.n_gpu_layers,
-                                    args.fit_tokens)
+                                    args.fit_tokens, args.speed_shape, args.flash_attn)
         except Exception as e:
             result["speed"] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
