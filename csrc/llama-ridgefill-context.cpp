@@ -14,6 +14,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <numeric>
@@ -456,6 +457,7 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
 
 void llama_ridgefill_context::set_ubatch(const llama_ubatch & ubatch) {
     graph_active = false;
+    timing.t_ubatch_us = ggml_time_us();
     if (!plan.active || ubatch.n_tokens == 0 || ubatch.seq_id[0][0] != plan.seq_id) {
         return; // check_batch: a ubatch holds planned rows only, or none
     }
@@ -492,6 +494,10 @@ void llama_ridgefill_context::set_ubatch(const llama_ubatch & ubatch) {
 }
 
 void llama_ridgefill_context::set_ubatch_done() {
+    if (graph_active) {
+        timing.early_us += ggml_time_us() - timing.t_ubatch_us;
+        timing.n_early++;
+    }
     graph_active = false;
 }
 
@@ -811,6 +817,10 @@ int llama_ridgefill_context::decode_done(llama_context & lctx) {
 int llama_ridgefill_context::finish(llama_context & lctx) {
     const int64_t t_start_us = ggml_time_us();
 
+    // the early phase's graphs may still run (llama_context::decode does not wait): the selector's
+    // scores are read below
+    ggml_backend_sched_synchronize(lctx.sched.get());
+
     const llama_hparams & hparams = model.hparams;
     const llama_ridgefill_plan p = plan;
     plan = {};
@@ -985,6 +995,17 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     stats.ceiling      = (float) (1.0/r);
     stats.n_probe      = n_probe;
     stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
+
+    // LLAMA_RIDGEFILL_TIMING=1: where the time of this prompt went
+    if (const char * env = getenv("LLAMA_RIDGEFILL_TIMING"); env && atoi(env) > 0) {
+        LLAMA_LOG_INFO("%s: RidgeFill timing: early phase %d ubatches %.1f ms (graph + launch, compute may be async); "
+                "late phase %.1f ms: %d graphs (%lld nodes), build %.1f ms, alloc %.1f ms, inputs %.1f ms, "
+                "compute %.1f ms, other %.1f ms\n", __func__, timing.n_early, timing.early_us/1000.0, stats.t_late_ms,
+                timing.n_graphs, (long long) timing.n_nodes, timing.build_us/1000.0, timing.alloc_us/1000.0,
+                timing.inputs_us/1000.0, timing.compute_us/1000.0,
+                stats.t_late_ms - (timing.build_us + timing.alloc_us + timing.inputs_us + timing.compute_us)/1000.0);
+    }
+    timing = {};
 
     return 0;
 }
@@ -1183,6 +1204,7 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
             lctx.n_outputs = (int32_t) out_idx.size();
 
             llm_graph_result * res = res_late.get();
+            const int64_t t0 = ggml_time_us();
             res->reset();
             ggml_backend_sched_reset(sched);
             ggml_backend_sched_set_eval_callback(sched, lctx.get_cparams().cb_eval, lctx.get_cparams().cb_eval_user_data);
@@ -1191,17 +1213,32 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
             const auto gparams = lctx.graph_params(res, ub, mctx.get(), LLM_GRAPH_TYPE_DECODER);
             ggml_cgraph * gf = model.build_graph(gparams);
             graph_active = false;
+            const int64_t t1 = ggml_time_us();
 
             if (!gf || !ggml_backend_sched_alloc_graph(sched, gf)) {
                 err = format("failed to build or allocate the late-phase graph of layer %d", il);
                 break;
             }
+            const int64_t t2 = ggml_time_us();
             res->set_inputs(&ub);
+            const int64_t t3 = ggml_time_us();
             if (lctx.graph_compute(gf, true) != GGML_STATUS_SUCCESS) {
                 err = format("failed to compute the late-phase graph of layer %d", il);
                 break;
             }
-            ggml_backend_sched_synchronize(sched);
+            // wait only for results read back here; otherwise the next graph is built while this one
+            // runs, as llama_context::decode does with its ubatches
+            const bool record = recurrent && c1 == n_prefix && record_boundary;
+            if (cur.v_scale || cur.k_scale || record || !out_idx.empty()) {
+                ggml_backend_sched_synchronize(sched);
+            }
+            const int64_t t4 = ggml_time_us();
+            timing.n_graphs++;
+            timing.n_nodes   += ggml_graph_n_nodes(gf);
+            timing.build_us  += t1 - t0;
+            timing.alloc_us  += t2 - t1;
+            timing.inputs_us += t3 - t2;
+            timing.compute_us += t4 - t3;
 
             if (cur.v_scale) {
                 ggml_backend_tensor_get(cur.v_scale, last_v_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.v_scale));
@@ -1209,7 +1246,7 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
             if (cur.k_scale) {
                 ggml_backend_tensor_get(cur.k_scale, last_k_scales.data() + (size_t) (il - S)*n_head_kv_max, 0, ggml_nbytes(cur.k_scale));
             }
-            if (recurrent && c1 == n_prefix && record_boundary) {
+            if (record) {
                 // the state after the last prefix row, before any correction
                 boundary_states[il] = rf_read_state(caches.recr, il, rs_cell);
             }

@@ -120,6 +120,19 @@ struct llama_ridgefill_context {
     std::vector<float>     last_v_scales;
     std::vector<float>     last_k_scales;
 
+    // where the time of the current plan goes (LLAMA_RIDGEFILL_TIMING=1 logs it when the plan ends)
+    struct {
+        int64_t t_ubatch_us = 0;
+        int64_t early_us    = 0;
+        int32_t n_early     = 0;
+        int32_t n_graphs    = 0;
+        int64_t n_nodes     = 0;
+        int64_t build_us    = 0;
+        int64_t alloc_us    = 0;
+        int64_t inputs_us   = 0;
+        int64_t compute_us  = 0;
+    } timing;
+
     // hybrid models: record each late recurrent layer's state after the last prefix row (before any
     // terminal-state correction) into boundary_states
     bool record_boundary = false;

@@ -9,6 +9,8 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
+#include <limits>
+
 
 // the index tensors of a RidgeFill graph; their data is known when the graph is built (RidgeFill
 // graphs are never reused), set_input copies it
@@ -534,4 +536,52 @@ void llama_ridgefill_build_attn(
     if (il == rf->sel_layer && !rf->sel_ids.empty()) {
         rf_build_selector(g, mctx, kq_mask, q_cur, kq_scale, il);
     }
+}
+
+bool llama_ridgefill_set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn) {
+    const llama_hparams & hparams  = kv.get_hparams();
+    const llama_swa_type  swa_type = kv.get_swa_type();
+    if (!causal_attn || hparams.use_alibi || dst->ne[3] != 1 || ubatch->n_seqs_unq != 1 ||
+        (swa_type != LLAMA_SWA_TYPE_NONE && swa_type != LLAMA_SWA_TYPE_STANDARD)) {
+        return false;
+    }
+    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
+
+    const int64_t  n_kv     = dst->ne[0];
+    const uint32_t n_tokens = ubatch->n_tokens;
+    GGML_ASSERT(dst->ne[1] == (int64_t) n_tokens);
+
+    const llama_seq_id     seq_id = ubatch->seq_id[0][0];
+    const llama_kv_cells & cells  = kv.get_cells(seq_id);
+
+    // the position of the sequence's row in each cell (never kept: an empty cell, another sequence)
+    constexpr llama_pos never = std::numeric_limits<llama_pos>::max();
+    std::vector<llama_pos> cpos(n_kv, never);
+    for (int64_t j = 0; j < n_kv; ++j) {
+        if (!cells.is_empty(j) && cells.seq_has(j, seq_id)) {
+            cpos[j] = cells.pos_get(j);
+        }
+    }
+
+    // keep p0 <= p1 (causal) and, in a standard window of n_swa, p1 - p0 < n_swa (llama_hparams::is_masked_swa);
+    // text rows only (a plan refuses embeddings with multi-section positions), so no 2-D position test
+    const bool     swa   = swa_type == LLAMA_SWA_TYPE_STANDARD;
+    const uint32_t n_swa = kv.get_n_swa();
+    auto fill = [&](auto * data, auto keep, auto drop) {
+        for (uint32_t i = 0; i < n_tokens; ++i) {
+            const llama_pos p1 = ubatch->pos[i];
+            const llama_pos lo = swa ? p1 - (llama_pos) n_swa : std::numeric_limits<llama_pos>::min();
+            auto * row = data + (size_t) i*n_kv;
+            for (int64_t j = 0; j < n_kv; ++j) {
+                row[j] = cpos[j] <= p1 && cpos[j] > lo ? keep : drop;
+            }
+        }
+    };
+    if (dst->type == GGML_TYPE_F16) {
+        fill((ggml_fp16_t *) dst->data, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
+    } else {
+        GGML_ASSERT(dst->type == GGML_TYPE_F32);
+        fill((float *) dst->data, 0.0f, -INFINITY);
+    }
+    return true;
 }

@@ -22,7 +22,9 @@
 
 struct llama_model;
 struct llama_ridgefill_maps;
+class  llama_kv_cache;
 class  llama_kv_cache_context;
+struct llama_ubatch;
 
 struct llm_graph_input_ridgefill;
 
@@ -150,3 +152,10 @@ void llama_ridgefill_build_attn(
                     ggml_tensor * q_cur,
                           float   kq_scale,
                             int   il);
+
+// the KQ mask of a late-phase graph, whose rows (of one sequence) are already in the cache at
+// scattered positions: keep the cells of the sequence at positions <= the row's (and inside the
+// window of a standard sliding-window cache), as llama_kv_cache::set_input_kq_mask would, from one
+// pass over the cells instead of a scan of every cell per row. false: the general path is needed
+// (non-causal attention, ALiBi, several streams or sequences, another window type)
+bool llama_ridgefill_set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn);
