@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -161,7 +162,8 @@ def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int
     n_ctx = max(lengths) + 16
     kw = dict(n_ctx=n_ctx, n_batch=2048, n_ubatch=512, verbose=False, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn)
     stock = Llama(str(model), **kw)
-    rf = Llama(str(model), ridgefill=setting, **kw)
+    # LLAMA_RIDGEFILL_TIMING=1: the RidgeFill context logs where each prefill's time went
+    rf = Llama(str(model), ridgefill=setting, **{**kw, "verbose": bool(os.environ.get("LLAMA_RIDGEFILL_TIMING"))})
     prompt = prompt_tokens(stock, max(lengths))
     for llm in (stock, rf):  # warm-up
         llm.reset()
