@@ -21,6 +21,7 @@ from conftest import evaluation_tokens
 
 import ridgefill_cpp  # first: llama_cpp then loads the patched libraries
 import llama_cpp  # noqa: E402
+from prefill_helpers import captured_log, ctx_kwargs, last_logits, rel, stock_logits
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -34,7 +35,6 @@ DENSE = ("llama", "qwen3", "gemma3")
 N_TOKENS = 160
 TAIL = 16
 TOL = {"llama": 2e-5, "qwen3": 2e-5, "gemma3": 2e-3}
-F32 = 0  # GGML_TYPE_F32
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,32 +67,6 @@ def map_files(tiny_models, oracles, tmp_path_factory):
     return out
 
 
-def _ctx_kwargs(**kw):
-    base = dict(n_ctx=256, n_batch=256, n_ubatch=64, n_threads=1, n_threads_batch=1, verbose=False,
-                flash_attn=False, type_k=F32, type_v=F32)
-    base.update(kw)
-    return base
-
-
-def _last_logits(llm) -> np.ndarray:
-    n_vocab = llm.n_vocab()
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).copy()
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def _stock_logits(path, tokens, **kw) -> np.ndarray:
-    llm = Llama(str(path), **_ctx_kwargs(**kw))
-    try:
-        llm.eval(tokens)
-        return _last_logits(llm)
-    finally:
-        llm.close()
-
-
 # ------------------------------------------------------------------------------------------------
 # agreement with the oracle: last-row logits, filled K/V rows, value scales
 
@@ -120,7 +94,7 @@ def test_prefill_matches_the_oracle(arch, case, tiny_models, oracles, prompt, ma
 
     rf = RidgeFill(map_files[arch] if kind == "ridge" else None, split=S, tail=tail, selector=exact,
                    value_rescale=c, min_prompt=0)
-    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=n_batch))
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **ctx_kwargs(n_ubatch=n_ubatch, n_batch=n_batch))
     try:
         llm.eval(tokens)
         st = llm.ridgefill_stats
@@ -130,7 +104,7 @@ def test_prefill_matches_the_oracle(arch, case, tiny_models, oracles, prompt, ma
         assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
 
         tol = TOL[arch]
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < tol
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < tol
 
         scales = np.array(llm.ridgefill_value_scales())
         assert scales.shape == (L - S, o.n_head_kv)
@@ -141,8 +115,8 @@ def test_prefill_matches_the_oracle(arch, case, tiny_models, oracles, prompt, ma
         positions = list(range(n))
         for il in range(L):
             k, v = llm.read_kv(il, positions)
-            assert _rel(k, ref.keys[il].reshape(n, -1).numpy()) < tol, il
-            assert _rel(v, ref.values[il].reshape(n, -1).numpy()) < tol, il
+            assert rel(k, ref.keys[il].reshape(n, -1).numpy()) < tol, il
+            assert rel(v, ref.values[il].reshape(n, -1).numpy()) < tol, il
     finally:
         llm.close()
 
@@ -156,7 +130,7 @@ def test_attention_selector_matches_the_oracle(arch, flash_attn, tiny_models, or
     ref_scores = attention_scores(o, prompt, layer).numpy()
     kw = dict(flash_attn=True, type_k=1, type_v=1) if flash_attn else {}  # flash: F16 cache and mask
     llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill.identity(S, tail=TAIL, min_prompt=0),
-                **_ctx_kwargs(n_ubatch=32, n_batch=64, **kw))
+                **ctx_kwargs(n_ubatch=32, n_batch=64, **kw))
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
@@ -183,7 +157,7 @@ def test_plan_spanning_several_eval_calls(arch, tiny_models, oracles, prompt, ma
     exact = [0, 3, 50, 101]
     ref = fill_forward(o, prompt, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=exact)
     llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, selector=exact, min_prompt=0),
-                **_ctx_kwargs(n_batch=32, n_ubatch=16))
+                **ctx_kwargs(n_batch=32, n_ubatch=16))
     try:
         ctx = llm._ctx.ctx
         assert N.llama_ridgefill_begin(ctx, 0, 0, N_TOKENS) == 1
@@ -191,7 +165,7 @@ def test_plan_spanning_several_eval_calls(arch, tiny_models, oracles, prompt, ma
         assert N.llama_ridgefill_set_exact(ctx, pos, len(exact)) == 0
         for part in (prompt[:70], prompt[70:121], prompt[121:]):
             llama_cpp.Llama.eval(llm, part)
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
     finally:
         llm.close()
 
@@ -203,7 +177,7 @@ def test_prefix_reuse_plans_only_the_new_rows(arch, tiny_models, oracles, prompt
     o = oracles[arch]
     S = _split(arch, o)
     llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill.identity(S, tail=8, min_prompt=20),
-                **_ctx_kwargs(n_batch=64, n_ubatch=32))
+                **ctx_kwargs(n_batch=64, n_ubatch=32))
     try:
         llm.eval(prompt[:100])
         assert llm.ridgefill_stats["pos0"] == 0 and llm.ridgefill_stats["n_prompt"] == 100
@@ -227,18 +201,18 @@ def test_prefix_reuse_plans_only_the_new_rows(arch, tiny_models, oracles, prompt
 def test_degenerate_plans_are_bit_identical_to_stock(arch, tiny_models, oracles, prompt):
     o = oracles[arch]
     path = tiny_models[arch]
-    stock = _stock_logits(path, prompt)
+    stock = stock_logits(path, prompt)
     settings = [
         RidgeFill.identity(o.n_layer, tail=TAIL, min_prompt=0),            # S = L
         RidgeFill.identity(_split(arch, o), tail=N_TOKENS, min_prompt=0),  # N <= T
         RidgeFill.identity(_split(arch, o), tail=TAIL, min_prompt=N_TOKENS + 1),  # N < min_prompt
     ]
     for rf in settings:
-        llm = Llama(str(path), ridgefill=rf, **_ctx_kwargs())
+        llm = Llama(str(path), ridgefill=rf, **ctx_kwargs())
         try:
             llm.eval(prompt)
             assert llm.ridgefill_stats == {}
-            assert np.array_equal(_last_logits(llm), stock), rf
+            assert np.array_equal(last_logits(llm), stock), rf
         finally:
             llm.close()
 
@@ -251,13 +225,13 @@ def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, pro
     kw = dict(flash_attn=flash_attn, n_ubatch=48)
     if flash_attn:
         kw.update(type_k=1, type_v=1)  # F16 cache, as flash attention uses it
-    stock = _stock_logits(tiny_models[arch], prompt, **kw)
+    stock = stock_logits(tiny_models[arch], prompt, **kw)
     rf = RidgeFill(map_files[arch], tail=TAIL, exact_fraction=1.0, value_rescale=0, min_prompt=0)
-    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(**kw))
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **ctx_kwargs(**kw))
     try:
         llm.eval(prompt)
         assert llm.ridgefill_stats["n_filled"] == 0
-        assert _rel(_last_logits(llm), stock) < 1e-5
+        assert rel(last_logits(llm), stock) < 1e-5
     finally:
         llm.close()
 
@@ -265,12 +239,12 @@ def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, pro
 def test_stock_class_is_untouched(tiny_models, prompt):
     """ridgefill=None is llama-cpp-python's class: same logits and no RidgeFill attached."""
     path = str(tiny_models["llama"])
-    a = llama_cpp.Llama(path, **_ctx_kwargs())
-    b = Llama(path, **_ctx_kwargs())
+    a = llama_cpp.Llama(path, **ctx_kwargs())
+    b = Llama(path, **ctx_kwargs())
     try:
         a.eval(prompt)
         b.eval(prompt)
-        assert np.array_equal(_last_logits(a), _last_logits(b))
+        assert np.array_equal(last_logits(a), last_logits(b))
         assert b.ridgefill is None and b.ridgefill_stats == {}
         assert N.llama_ridgefill_begin(b._ctx.ctx, 0, 0, 10) == -1
         assert "no RidgeFill attached" in N.llama_ridgefill_last_error().decode()
@@ -287,15 +261,15 @@ def _usable(llm, path, tokens) -> None:
     """After an error: a fresh prompt on the same object gives stock logits (RidgeFill off for it)."""
     llm.reset()
     llm._ctx.kv_cache_clear()
-    expect = _stock_logits(path, tokens)
+    expect = stock_logits(path, tokens)
     llama_cpp.Llama.eval(llm, tokens)  # stock decode calls (no plan)
-    assert np.array_equal(_last_logits(llm), expect)
+    assert np.array_equal(last_logits(llm), expect)
 
 
 def test_refusals_at_construction(tiny_models, map_files, prompt, tmp_path):
     llama, qwen3 = tiny_models["llama"], tiny_models["qwen3"]
     with pytest.raises(ValueError, match=r"split 9 outside 1\.\.6"):
-        Llama(str(llama), ridgefill=RidgeFill.identity(9), **_ctx_kwargs())
+        Llama(str(llama), ridgefill=RidgeFill.identity(9), **ctx_kwargs())
     with pytest.raises(ValueError, match="split 0 must be >= 1"):
         RidgeFill.identity(0)
     with pytest.raises(ValueError, match="at least the last prompt row must be exact"):
@@ -305,25 +279,25 @@ def test_refusals_at_construction(tiny_models, map_files, prompt, tmp_path):
     with pytest.raises(ValueError, match="selector 'probing'"):
         RidgeFill(map_files["llama"], selector="probing")
     with pytest.raises(ValueError, match="the maps were fitted for split 3, not the requested split 2"):
-        Llama(str(llama), ridgefill=RidgeFill(map_files["llama"], split=2), **_ctx_kwargs())
+        Llama(str(llama), ridgefill=RidgeFill(map_files["llama"], split=2), **ctx_kwargs())
     with pytest.raises(ValueError, match="logits_all=True is not supported"):
-        Llama(str(llama), ridgefill=map_files["llama"], logits_all=True, **_ctx_kwargs())
+        Llama(str(llama), ridgefill=map_files["llama"], logits_all=True, **ctx_kwargs())
     # maps of another model: the loader names what does not match
     from ridgefill_cpp.mapfile import MapFileError
     with pytest.raises(MapFileError, match="architecture"):
-        Llama(str(qwen3), ridgefill=map_files["llama"], **_ctx_kwargs())
+        Llama(str(qwen3), ridgefill=map_files["llama"], **ctx_kwargs())
     other = mtm.make_tiny_model("llama", tmp_path / "other-seed.gguf", seed=1)
     with pytest.raises(MapFileError, match="another checkpoint"):
-        Llama(str(other), ridgefill=map_files["llama"], **_ctx_kwargs())
+        Llama(str(other), ridgefill=map_files["llama"], **ctx_kwargs())
     # gemma3 with a sliding-window cache smaller than the context
     with pytest.raises(ValueError, match="swa_full = true"):
-        Llama(str(tiny_models["gemma3"]), ridgefill=RidgeFill.identity(4), swa_full=False, **_ctx_kwargs(n_ctx=1024))
+        Llama(str(tiny_models["gemma3"]), ridgefill=RidgeFill.identity(4), swa_full=False, **ctx_kwargs(n_ctx=1024))
 
 
 def test_refusals_during_prefill(tiny_models, map_files, prompt):
     path = tiny_models["llama"]
     llm = Llama(str(path), ridgefill=RidgeFill(map_files["llama"], tail=TAIL, min_prompt=0, selector=[5, 150]),
-                **_ctx_kwargs())
+                **ctx_kwargs())
     try:
         # an explicit exact position in the tail
         with pytest.raises(ValueError, match=r"exact position 150 outside the prompt's prefix \[0, 144\)"):
@@ -356,7 +330,7 @@ def test_refusals_during_prefill(tiny_models, map_files, prompt):
 
 
 def test_detach_and_close(tiny_models, map_files, prompt):
-    llm = Llama(str(tiny_models["llama"]), ridgefill=map_files["llama"], **_ctx_kwargs())
+    llm = Llama(str(tiny_models["llama"]), ridgefill=map_files["llama"], **ctx_kwargs())
     assert llm.ridgefill.maps == map_files["llama"] and llm.ridgefill.min_prompt == 1024
     llm.eval(prompt)  # shorter than min_prompt: stock
     assert llm.ridgefill_stats == {}
@@ -373,7 +347,7 @@ def test_graph_reuse_never_crosses_phases(arch, tiny_models, oracles, prompt, ma
 
     def run() -> tuple[list[int], np.ndarray]:
         llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, min_prompt=100),
-                    **_ctx_kwargs(n_ubatch=32, n_batch=64))
+                    **ctx_kwargs(n_ubatch=32, n_batch=64))
         try:
             llm.eval(prompt[:60])  # stock (below min_prompt)
             greedy_continuation(llm, last_logits(llm), 3)
@@ -403,13 +377,13 @@ def test_value_scale_of_a_vanishing_prediction_is_one(arch, tiny_models, oracles
     zero = replace(m, a={il: np.zeros_like(a) for il, a in m.a.items()}, b={il: np.zeros_like(b) for il, b in m.b.items()})
     path = write_map_file(tmp_path / "zero.gguf", zero, dtype="f32")
     ref = fill_forward(o, prompt, split=S, maps=read_map_file(path), tail=TAIL, exact_positions=[3, 7])
-    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(path, tail=TAIL, selector=[3, 7], min_prompt=0), **_ctx_kwargs())
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(path, tail=TAIL, selector=[3, 7], min_prompt=0), **ctx_kwargs())
     try:
         llm.eval(prompt)
         scales = np.array(llm.ridgefill_value_scales())
         assert np.all(np.isfinite(scales)) and np.array_equal(scales[1:], np.ones_like(scales[1:]))
         np.testing.assert_allclose(scales, ref.value_scales.numpy(), rtol=TOL[arch])
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
         _, v = llm.read_kv(S + 1, [10, 20])
         assert not v.any()
     finally:
@@ -426,7 +400,7 @@ def test_logits_of_every_tail_row(arch, tiny_models, oracles, prompt, map_files)
     ref = fill_forward(o, prompt, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=exact,
                        tail_logits=True)
     llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, selector=exact, min_prompt=0),
-                **_ctx_kwargs(n_batch=128, n_ubatch=32))
+                **ctx_kwargs(n_batch=128, n_ubatch=32))
     try:
         ctx = llm._ctx.ctx
         assert N.llama_ridgefill_begin(ctx, 0, 0, N_TOKENS) == 1
@@ -440,7 +414,7 @@ def test_logits_of_every_tail_row(arch, tiny_models, oracles, prompt, map_files)
                 for i in range(N_TOKENS - split)]
         assert all(np.isnan(r).all() for r in rows[:4])
         got = np.stack(rows[4:])
-        assert _rel(got, ref.logits.numpy()) < TOL[arch]
+        assert rel(got, ref.logits.numpy()) < TOL[arch]
     finally:
         llm.close()
 
@@ -450,18 +424,9 @@ def test_compute_buffers_are_reserved_for_both_phases(arch, tiny_models, oracles
     """Attaching reserves the scheduler's buffers for the early phase (with the selector) and the
     late phase (a chunk of exact rows, fill steps): a prefill never grows them, so llama.cpp's own
     check at context teardown finds the expected sizes."""
-    from llama_cpp import _logger
-
-    logs: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def collect(level, text, user_data):
-        logs.append(text.decode(errors="replace"))
-
-    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
-    try:
+    with captured_log() as logs:
         llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, min_prompt=0),
-                    **_ctx_kwargs(n_batch=256, n_ubatch=64))
+                    **ctx_kwargs(n_batch=256, n_ubatch=64))
         llm.eval(prompt)
         assert llm.ridgefill_stats["n_filled"] > 64  # several fill steps
         # a setting that makes llama.cpp rebuild its scheduler (toggling a layer-input capture): the
@@ -477,8 +442,6 @@ def test_compute_buffers_are_reserved_for_both_phases(arch, tiny_models, oracles
         llm.eval(prompt)
         assert llm.ridgefill_stats["n_filled"] > 64
         llm.close()
-    finally:
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     text = "".join(logs)
     assert "RidgeFill attached" in text and "compute buffer size" in text
     assert "does not match expectation" not in text
@@ -487,8 +450,8 @@ def test_compute_buffers_are_reserved_for_both_phases(arch, tiny_models, oracles
 def test_llama_cpp_python_surface_keeps_working(tiny_models, map_files, prompt):
     """Completion, chat, streaming, generate, save/load state and reset on a RidgeFill Llama."""
     path = str(tiny_models["llama"])
-    llm = Llama(path, ridgefill=RidgeFill(map_files["llama"], tail=8, min_prompt=64), **_ctx_kwargs(n_ctx=512))
-    stock = Llama(path, **_ctx_kwargs(n_ctx=512))
+    llm = Llama(path, ridgefill=RidgeFill(map_files["llama"], tail=8, min_prompt=64), **ctx_kwargs(n_ctx=512))
+    stock = Llama(path, **ctx_kwargs(n_ctx=512))
     try:
         text = llm.detokenize(prompt[1:120]).decode(errors="replace")
         out = llm.create_completion(text, max_tokens=5, temperature=0.0)
@@ -509,22 +472,22 @@ def test_llama_cpp_python_surface_keeps_working(tiny_models, map_files, prompt):
         llm.reset()
         llm.eval(prompt[:100])
         state = llm.save_state()
-        a = _last_logits(llm)
+        a = last_logits(llm)
         llm.reset()
         llm.eval(prompt[100:140])  # something else in between
         llm.load_state(state)
         llm.eval(prompt[100:101])
-        b = _last_logits(llm)
+        b = last_logits(llm)
         llm.load_state(state)
         llm.eval(prompt[100:101])
-        assert np.array_equal(b, _last_logits(llm)) and a.shape == b.shape
+        assert np.array_equal(b, last_logits(llm)) and a.shape == b.shape
 
         # short prompts stay stock: identical to llama-cpp-python
         llm.reset()
         stock.reset()
         llm.eval(prompt[:40])
         stock.eval(prompt[:40])
-        assert llm.ridgefill_stats == {} and np.array_equal(_last_logits(llm), _last_logits(stock))
+        assert llm.ridgefill_stats == {} and np.array_equal(last_logits(llm), last_logits(stock))
     finally:
         llm.close()
         stock.close()
@@ -566,7 +529,7 @@ def test_splice_keeps_the_exact_k_or_v_of_filled_rows(arch, tiny_models, oracles
                 assert np.array_equal(k, ek) == bool(mode & 1), (mode, il)
                 assert np.array_equal(v, ev) == bool(mode & 2), (mode, il)
             if mode == 3:
-                assert _rel(logits[-1], stock[-1]) < 1e-3
+                assert rel(logits[-1], stock[-1]) < 1e-3
             run.detach()
     finally:
         run.close()
@@ -584,7 +547,7 @@ def test_quantized_kv_cache_on_a_real_model(smollm2_path):
                     flash_attn=True, type_k=cache_type, type_v=cache_type, n_threads=2)
         try:
             llm.eval(prompt_tokens(llm, 1200))
-            return _last_logits(llm), llm.ridgefill_stats
+            return last_logits(llm), llm.ridgefill_stats
         finally:
             llm.close()
 
@@ -608,16 +571,16 @@ def test_key_rescale_matches_the_oracle(arch, tiny_models, oracles, prompt, map_
     ref = fill_forward(o, prompt, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=exact,
                        value_rescale=512, key_rescale=8)
     llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, selector=exact, key_rescale=8,
-                                                          min_prompt=0), **_ctx_kwargs(n_ubatch=32))
+                                                          min_prompt=0), **ctx_kwargs(n_ubatch=32))
     try:
         llm.eval(prompt)
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
         ks = np.array(llm.ridgefill_key_scales())
         np.testing.assert_allclose(ks, ref.key_scales.numpy(), rtol=TOL[arch])
         assert np.abs(ks[1:] - 1).max() > 1e-3
         for il in range(S, o.n_layer):
             k, _ = llm.read_kv(il, list(range(N_TOKENS)))
-            assert _rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < TOL[arch]
+            assert rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < TOL[arch]
         with pytest.raises(ValueError, match="key_rescale -1 must be >= 0"):
             RidgeFill(map_files[arch], key_rescale=-1)
     finally:
@@ -639,7 +602,7 @@ def test_probe_selector_matches_the_oracle(arch, n_ubatch, tiny_models, oracles,
     maps = read_map_file(map_files[arch])
     ref = probe_fill_forward(o, prompt, split=S, maps=maps, tail=TAIL, fraction=0.10, n_queries=64)
     rf = RidgeFill(map_files[arch], tail=TAIL, selector="probe", min_prompt=0)
-    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
@@ -654,12 +617,12 @@ def test_probe_selector_matches_the_oracle(arch, n_ubatch, tiny_models, oracles,
         assert st["exact_positions"] == want and len(want) == math.ceil(0.1 * (N_TOKENS - TAIL))
         assert st["probe_rows"] == TAIL and st["selector_layer"] == S
         assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < tol
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < tol
         np.testing.assert_allclose(np.array(llm.ridgefill_value_scales()), ref.value_scales.numpy(), rtol=tol)
         for il in range(S, L):
             k, v = llm.read_kv(il, list(range(N_TOKENS)))
-            assert _rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < tol, il
-            assert _rel(v, ref.values[il].reshape(N_TOKENS, -1).numpy()) < tol, il
+            assert rel(k, ref.keys[il].reshape(N_TOKENS, -1).numpy()) < tol, il
+            assert rel(v, ref.values[il].reshape(N_TOKENS, -1).numpy()) < tol, il
     finally:
         llm.close()
 
@@ -671,13 +634,13 @@ def test_probe_without_selected_rows_is_the_probe_pass(tiny_models, oracles, pro
     maps = read_map_file(map_files["llama"])
     ref = fill_forward(o, prompt, split=S, maps=maps, tail=TAIL)
     llm = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill(map_files["llama"], tail=TAIL, selector="probe",
-                                                                exact_fraction=0.0, min_prompt=0), **_ctx_kwargs())
+                                                                exact_fraction=0.0, min_prompt=0), **ctx_kwargs())
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
         assert st["n_exact"] == 0 and st["probe_rows"] == 0
         assert st["ceiling"] == pytest.approx(1 / ref.compute_ratio, rel=1e-6)
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL["llama"]
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL["llama"]
     finally:
         llm.close()
 
@@ -703,7 +666,7 @@ def test_protected_selector_matches_the_oracle(classes, tiny_models, oracles, pr
     texts, control = _vocab(tiny_models["llama"])
     llm = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill(map_files["llama"], tail=TAIL, selector="protected",
                                                                 protected=classes, exact_fraction=0.15, min_prompt=0),
-                **_ctx_kwargs())
+                **ctx_kwargs())
     try:
         extra = llm.tokenize(b"\nroom 42 at 7:30\nthe code is 90210.\n", add_bos=False)
         tokens = prompt[:N_TOKENS - len(extra) - 40] + extra + prompt[N_TOKENS - 40:N_TOKENS]
@@ -714,7 +677,7 @@ def test_protected_selector_matches_the_oracle(classes, tiny_models, oracles, pr
         assert st["exact_positions"] == want
         assert len(want) <= math.ceil(0.15 * (len(tokens) - TAIL))
         ref = fill_forward(o, tokens, split=S, maps=read_map_file(map_files["llama"]), tail=TAIL, exact_positions=want)
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL["llama"]
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL["llama"]
         if "digits" in classes:
             digit_rows = [j for j in range(len(tokens) - TAIL) if any(c.isdigit() for c in texts[tokens[j]])]
             assert set(digit_rows) <= set(want)  # digits first, and few enough to all fit
@@ -745,11 +708,11 @@ def test_host_placement_is_the_same_path_on_cpu(tiny_models, map_files, prompt):
     out = {}
     for placement in ("resident", "host"):
         rf = RidgeFill(map_files["llama"], tail=TAIL, min_prompt=0, placement=placement)
-        llm = Llama(str(tiny_models["llama"]), ridgefill=rf, **_ctx_kwargs())
+        llm = Llama(str(tiny_models["llama"]), ridgefill=rf, **ctx_kwargs())
         try:
             llm.eval(prompt)
             st = llm.ridgefill_stats
-            out[placement] = _last_logits(llm)
+            out[placement] = last_logits(llm)
             maps = read_map_file(map_files["llama"])
             n_bytes = sum(a.astype(np.float32).nbytes + maps.b[il].astype(np.float32).nbytes for il, a in maps.a.items())
             assert st["maps_bytes"] == n_bytes
@@ -757,7 +720,7 @@ def test_host_placement_is_the_same_path_on_cpu(tiny_models, map_files, prompt):
         finally:
             llm.close()
     np.testing.assert_array_equal(out["resident"], out["host"])
-    identity = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill.identity(4, tail=TAIL, min_prompt=0), **_ctx_kwargs())
+    identity = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill.identity(4, tail=TAIL, min_prompt=0), **ctx_kwargs())
     try:
         assert identity.ridgefill_memory()["maps_bytes"] == 0
     finally:
@@ -772,7 +735,7 @@ def test_selector_and_placement_refusals(tiny_models, map_files):
         with pytest.raises(ValueError, match=msg):
             RidgeFill(map_files["llama"], **kw)
     # the C API refuses what the Python class would not build
-    llm = Llama(str(tiny_models["llama"]), **_ctx_kwargs())
+    llm = Llama(str(tiny_models["llama"]), **ctx_kwargs())
     try:
         p = RidgeFill.identity(4, selector="protected").params()
         p.protected_classes = 0
@@ -795,7 +758,7 @@ def test_attention_plus_protected_selector(arch, tiny_models, oracles, prompt, m
     S = _split(arch, o)
     texts, control = _vocab(tiny_models[arch])
     rf = RidgeFill(map_files[arch], tail=TAIL, selector="attention+protected", min_prompt=0)
-    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **_ctx_kwargs(n_ubatch=32))
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **ctx_kwargs(n_ubatch=32))
     try:
         extra = llm.tokenize(b"\nroom 42 at 7:30\n", add_bos=False)
         tokens = prompt[:N_TOKENS - len(extra) - 40] + extra + prompt[N_TOKENS - 40:]
@@ -812,6 +775,6 @@ def test_attention_plus_protected_selector(arch, tiny_models, oracles, prompt, m
                                                    control, prefix)
         assert len(set(want) ^ set(ref_want)) <= 2  # at most one near-tie of the scores swapped
         ref = fill_forward(o, tokens, split=S, maps=read_map_file(map_files[arch]), tail=TAIL, exact_positions=want)
-        assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
+        assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
     finally:
         llm.close()

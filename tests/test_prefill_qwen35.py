@@ -24,6 +24,7 @@ from conftest import evaluation_tokens
 
 import ridgefill_cpp  # noqa: F401  (first: llama_cpp then loads the patched libraries)
 import llama_cpp  # noqa: E402
+from prefill_helpers import captured_log, ctx_kwargs, last_logits, rel, stock_logits
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -37,7 +38,6 @@ S = 3
 N_TOKENS = 200
 TAIL = 16
 TOL = 2e-5
-F32 = 0  # GGML_TYPE_F32
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,46 +65,28 @@ def map_file(model, tmp_path_factory):
     return write_map_file(tmp_path_factory.mktemp("qwen35-maps") / "qwen35.ridgefill.gguf", res.maps, dtype="f32")
 
 
-def _ctx_kwargs(**kw):
-    base = dict(n_ctx=256, n_batch=256, n_ubatch=64, n_threads=1, n_threads_batch=1, verbose=False,
-                flash_attn=False, type_k=F32, type_v=F32)
-    base.update(kw)
-    return base
-
-
-def _last_logits(llm) -> np.ndarray:
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 def _state(st) -> np.ndarray:
     """An oracle GDNState in llama.cpp's layout (conv state, then ssm state)."""
     return np.concatenate([st.conv.reshape(-1).numpy(), st.ssm.reshape(-1).numpy()])
 
 
-def _stock_logits(path, tokens, **kw) -> np.ndarray:
-    llm = Llama(str(path), **_ctx_kwargs(**kw))
-    try:
-        llm.eval(tokens)
-        return _last_logits(llm)
-    finally:
-        llm.close()
-
-
 def _check_against(llm, ref, oracle, n: int) -> None:
     """Last-row logits, every layer's final recurrent state and every attention layer's K/V rows."""
-    assert _rel(_last_logits(llm), ref.last_logits.numpy()) < TOL
+    assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL
     for il in range(oracle.n_layer):
         if oracle.is_recurrent(il):
-            assert _rel(llm.read_state(il), _state(ref.gdn_states[il])) < TOL, il
+            assert rel(llm.read_state(il), _state(ref.gdn_states[il])) < TOL, il
         else:
             k, v = llm.read_kv(il, list(range(n)))
-            assert _rel(k, ref.keys[il].reshape(n, -1).numpy()) < TOL, il
-            assert _rel(v, ref.values[il].reshape(n, -1).numpy()) < TOL, il
+            assert rel(k, ref.keys[il].reshape(n, -1).numpy()) < TOL, il
+            assert rel(v, ref.values[il].reshape(n, -1).numpy()) < TOL, il
+
+
+def _same_as_stock(llm, stock) -> None:
+    """Logits and every recurrent state equal to stock prefill's within float noise."""
+    assert rel(last_logits(llm), last_logits(stock)) < 1e-5
+    for il in (0, 1, 3, 4):
+        assert rel(llm.read_state(il), stock.read_state(il)) < 1e-5, il
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,7 +115,7 @@ def test_prefill_matches_the_oracle(case, model, oracle, prompt, map_file):
 
     rf = RidgeFill(map_file if kind == "ridge" else None, split=S, tail=tail, selector=exact, value_rescale=c,
                    min_prompt=0)
-    llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=n_batch))
+    llm = Llama(str(model), ridgefill=rf, **ctx_kwargs(n_ubatch=n_ubatch, n_batch=n_batch))
     try:
         llm.ridgefill_record_boundary_states()
         llm.eval(tokens)
@@ -156,7 +138,7 @@ def test_prefill_matches_the_oracle(case, model, oracle, prompt, map_file):
         for il in range(S, L):
             got = llm.ridgefill_boundary_state(il)
             if oracle.is_recurrent(il):
-                assert _rel(got, _state(ref.boundary_states[il])) < TOL, il
+                assert rel(got, _state(ref.boundary_states[il])) < TOL, il
             else:
                 assert got is None
 
@@ -183,15 +165,15 @@ def test_filled_rows_change_the_state(model, oracle, prompt, map_file):
     exact_ref = fill_forward(oracle, prompt, split=oracle.n_layer, tail=TAIL)  # S = L: the exact forward
     ridge = fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, exact_positions=[])
     ident = fill_forward(oracle, prompt, split=S, tail=TAIL, exact_positions=[])
-    ref_gap = _rel(_state(ridge.gdn_states[4]), _state(exact_ref.gdn_states[4]))
+    ref_gap = rel(_state(ridge.gdn_states[4]), _state(exact_ref.gdn_states[4]))
     assert ref_gap > 1e-2
-    assert _rel(_state(ident.gdn_states[4]), _state(ridge.gdn_states[4])) > 1e-2
-    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector="none", min_prompt=0), **_ctx_kwargs())
+    assert rel(_state(ident.gdn_states[4]), _state(ridge.gdn_states[4])) > 1e-2
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector="none", min_prompt=0), **ctx_kwargs())
     try:
         llm.eval(prompt)
         got = llm.read_state(4)
-        assert _rel(got, _state(ridge.gdn_states[4])) < TOL
-        assert _rel(got, _state(exact_ref.gdn_states[4])) == pytest.approx(ref_gap, rel=1e-3)
+        assert rel(got, _state(ridge.gdn_states[4])) < TOL
+        assert rel(got, _state(exact_ref.gdn_states[4])) == pytest.approx(ref_gap, rel=1e-3)
     finally:
         llm.close()
 
@@ -209,15 +191,15 @@ def test_state_correction_matches_the_oracle(n_ubatch, model, oracle, prompt, ma
     plain = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=exact)
     ref = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=exact,
                        state_gains={il: torch.from_numpy(g) for il, g in gains.items()})
-    assert _rel(ref.last_logits.numpy(), plain.last_logits.numpy()) > 1e-3  # the gains matter
+    assert rel(ref.last_logits.numpy(), plain.last_logits.numpy()) > 1e-3  # the gains matter
     rf = RidgeFill(path, tail=TAIL, selector=exact, min_prompt=0, state_correction="gain")
-    llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
+    llm = Llama(str(model), ridgefill=rf, **ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
     try:
         llm.ridgefill_record_boundary_states()
         llm.eval(prompt)
         _check_against(llm, ref, oracle, N_TOKENS)
         # the recorded boundary state is the one before the correction
-        assert _rel(llm.ridgefill_boundary_state(4), _state(ref.boundary_states[4])) < TOL
+        assert rel(llm.ridgefill_boundary_state(4), _state(ref.boundary_states[4])) < TOL
     finally:
         llm.close()
 
@@ -228,7 +210,7 @@ def test_attention_selector_matches_the_oracle(model, oracle, prompt, map_file):
     layer = default_selector_layer(oracle, S)
     assert layer == 2
     ref_scores = attention_scores(oracle, prompt, layer).numpy()
-    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, min_prompt=0), **_ctx_kwargs(n_ubatch=32, n_batch=64))
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, min_prompt=0), **ctx_kwargs(n_ubatch=32, n_batch=64))
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
@@ -251,7 +233,7 @@ def test_probe_selector_matches_the_oracle(n_ubatch, model, oracle, prompt, map_
     L = oracle.n_layer
     ref = probe_fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, fraction=0.10, n_queries=64)
     llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector="probe", min_prompt=0),
-                **_ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
+                **ctx_kwargs(n_ubatch=n_ubatch, n_batch=64))
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
@@ -272,7 +254,7 @@ def test_plan_spanning_several_eval_calls(model, oracle, prompt, map_file):
     exact = [0, 3, 50, 101]
     ref = fill_forward(oracle, prompt, split=S, maps=read_map_file(map_file), tail=TAIL, exact_positions=exact)
     llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector=exact, min_prompt=0),
-                **_ctx_kwargs(n_batch=32, n_ubatch=16))
+                **ctx_kwargs(n_batch=32, n_ubatch=16))
     try:
         ctx = llm._ctx.ctx
         assert N.llama_ridgefill_begin(ctx, 0, 0, N_TOKENS) == 1
@@ -290,18 +272,18 @@ def test_plan_spanning_several_eval_calls(model, oracle, prompt, map_file):
 
 
 def test_degenerate_plans_are_bit_identical_to_stock(model, oracle, prompt):
-    stock = _stock_logits(model, prompt)
+    stock = stock_logits(model, prompt)
     settings = [
         RidgeFill.identity(oracle.n_layer, tail=TAIL, min_prompt=0),  # S = L
         RidgeFill.identity(S, tail=N_TOKENS, min_prompt=0),           # N <= T
         RidgeFill.identity(S, tail=TAIL, min_prompt=N_TOKENS + 1),    # N < min_prompt
     ]
     for rf in settings:
-        llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs())
+        llm = Llama(str(model), ridgefill=rf, **ctx_kwargs())
         try:
             llm.eval(prompt)
             assert llm.ridgefill_stats == {}
-            assert np.array_equal(_last_logits(llm), stock), rf
+            assert np.array_equal(last_logits(llm), stock), rf
         finally:
             llm.close()
 
@@ -310,16 +292,14 @@ def test_degenerate_plans_are_bit_identical_to_stock(model, oracle, prompt):
 def test_all_rows_exact_equals_stock(n_ubatch, model, prompt, map_file):
     """exact_fraction 1.0, value rescale off: the late phase recomputes every late layer exactly,
     the GDN layers over every row from a zero state; logits and final states equal stock."""
-    stock = Llama(str(model), **_ctx_kwargs(n_ubatch=n_ubatch))
+    stock = Llama(str(model), **ctx_kwargs(n_ubatch=n_ubatch))
     llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, exact_fraction=1.0, value_rescale=0, min_prompt=0),
-                **_ctx_kwargs(n_ubatch=n_ubatch))
+                **ctx_kwargs(n_ubatch=n_ubatch))
     try:
         stock.eval(prompt)
         llm.eval(prompt)
         assert llm.ridgefill_stats["n_filled"] == 0
-        assert _rel(_last_logits(llm), _last_logits(stock)) < 1e-5
-        for il in (0, 1, 3, 4):
-            assert _rel(llm.read_state(il), stock.read_state(il)) < 1e-5, il
+        _same_as_stock(llm, stock)
     finally:
         llm.close()
         stock.close()
@@ -329,9 +309,9 @@ def test_cached_prefix_continues_the_recurrent_states(model, prompt, map_file):
     """A second prompt after a cached first one (p0 > 0): the late GDN layers continue from the state
     the first plan left. With every row exact both plans together equal one stock prefill; with rows
     filled, generation afterwards runs every layer."""
-    stock = Llama(str(model), **_ctx_kwargs())
+    stock = Llama(str(model), **ctx_kwargs())
     rf = RidgeFill(map_file, tail=8, exact_fraction=1.0, value_rescale=0, min_prompt=20)
-    llm = Llama(str(model), ridgefill=rf, **_ctx_kwargs(n_batch=64, n_ubatch=32))
+    llm = Llama(str(model), ridgefill=rf, **ctx_kwargs(n_batch=64, n_ubatch=32))
     try:
         stock.eval(prompt)
         llm.eval(prompt[:120])
@@ -339,14 +319,12 @@ def test_cached_prefix_continues_the_recurrent_states(model, prompt, map_file):
         llm.eval(prompt[120:])  # 80 new rows, planned from position 120
         st = llm.ridgefill_stats
         assert st["pos0"] == 120 and st["n_prompt"] == N_TOKENS - 120 and st["n_filled"] == 0
-        assert _rel(_last_logits(llm), _last_logits(stock)) < 1e-5
-        for il in (0, 1, 3, 4):
-            assert _rel(llm.read_state(il), stock.read_state(il)) < 1e-5, il
+        _same_as_stock(llm, stock)
     finally:
         llm.close()
         stock.close()
 
-    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=8, min_prompt=20), **_ctx_kwargs(n_batch=64, n_ubatch=32))
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=8, min_prompt=20), **ctx_kwargs(n_batch=64, n_ubatch=32))
     try:
         llm.eval(prompt[:120])
         llm.eval(prompt[120:])
@@ -355,7 +333,7 @@ def test_cached_prefix_continues_the_recurrent_states(model, prompt, map_file):
         assert all(120 <= p < N_TOKENS - 8 for p in st["exact_positions"])
         llm.eval(prompt[:1])  # a generated token: every layer, stats untouched
         assert llm.ridgefill_stats == st
-        assert np.isfinite(_last_logits(llm)).all()
+        assert np.isfinite(last_logits(llm)).all()
     finally:
         llm.close()
 
@@ -367,22 +345,11 @@ def test_cached_prefix_continues_the_recurrent_states(model, prompt, map_file):
 def test_compute_buffers_are_reserved_for_the_recurrent_late_layers(model, prompt, map_file):
     """Attaching reserves the scheduler's buffers for the late GDN chunks too: a prefill never grows
     them (llama.cpp's own check at context teardown finds the expected sizes)."""
-    from llama_cpp import _logger
-
-    logs: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def collect(level, text, user_data):
-        logs.append(text.decode(errors="replace"))
-
-    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
-    try:
-        llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, min_prompt=0), **_ctx_kwargs(n_ubatch=64))
+    with captured_log() as logs:
+        llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, min_prompt=0), **ctx_kwargs(n_ubatch=64))
         llm.eval(prompt)
         assert llm.ridgefill_stats["n_filled"] > 64
         llm.close()
-    finally:
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     text = "".join(logs)
     assert "RidgeFill attached" in text and "compute buffer size" in text
     assert "does not match expectation" not in text
@@ -390,15 +357,15 @@ def test_compute_buffers_are_reserved_for_the_recurrent_late_layers(model, promp
 
 def test_state_correction_needs_gains(model, map_file):
     with pytest.raises(ValueError, match="state correction 'gain' needs maps with state gains"):
-        Llama(str(model), ridgefill=RidgeFill(map_file, state_correction="gain"), **_ctx_kwargs())
+        Llama(str(model), ridgefill=RidgeFill(map_file, state_correction="gain"), **ctx_kwargs())
     with pytest.raises(ValueError, match="state correction 'gain' needs maps with state gains"):
-        Llama(str(model), ridgefill=RidgeFill.identity(S, state_correction="gain"), **_ctx_kwargs())
+        Llama(str(model), ridgefill=RidgeFill.identity(S, state_correction="gain"), **ctx_kwargs())
     with pytest.raises(ValueError, match="state_correction 'scale'"):
         RidgeFill(map_file, state_correction="scale")
 
 
 def test_state_readout_refusals(model, prompt):
-    llm = Llama(str(model), **_ctx_kwargs())
+    llm = Llama(str(model), **ctx_kwargs())
     try:
         llm.eval(prompt[:10])
         with pytest.raises(ValueError, match="layer 2 has no recurrent state"):
