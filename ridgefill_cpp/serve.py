@@ -38,7 +38,8 @@ from typing import Callable, Sequence
 from .prefill import DEFAULT_PROTECTED, RidgeFill, protected_mask
 
 #: RidgeFill settings that have no llama-server flag: they must keep their defaults to be served
-_NO_SERVER_FLAG = ("value_rescale", "key_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement")
+_NO_SERVER_FLAG = ("value_rescale", "key_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement",
+                   "state_correction")
 
 #: flags the command line sets from serve's own options; refused in the extra arguments
 _MANAGED_FLAGS = {

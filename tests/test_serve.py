@@ -226,6 +226,8 @@ def test_server_args_refusals(tiny_models, maps):
         server_args(tiny, RidgeFill(maps, value_rescale=0), "127.0.0.1", 1)
     with pytest.raises(ValueError, match="placement='host'"):
         server_args(tiny, RidgeFill(maps, placement="host"), "127.0.0.1", 1)
+    with pytest.raises(ValueError, match="state_correction='gain'"):
+        server_args(tiny, RidgeFill(maps, state_correction="gain"), "127.0.0.1", 1)
     server_args(tiny, RidgeFill(maps, protected="digits,sink"), "127.0.0.1", 1)  # the default classes, spelled otherwise
     for flag in ("--port", "--host", "-m", "--ridgefill-tail"):
         with pytest.raises(ValueError, match=f"{flag} is set by"):
@@ -237,7 +239,8 @@ def test_server_args_refusals(tiny_models, maps):
         server_args(tiny, None, "127.0.0.1", 70000)
 
 
-def test_settings_are_checked_against_the_model_before_anything_starts(tiny_models, maps, tmp_path, monkeypatch):
+def test_settings_are_checked_against_the_model_before_anything_starts(tiny_models, maps, tmp_path, monkeypatch,
+                                                                        unsupported_model):
     import make_tiny_models as mtm
 
     from ridgefill_cpp.mapfile import MapFileError
@@ -261,8 +264,8 @@ def test_settings_are_checked_against_the_model_before_anything_starts(tiny_mode
         Server(tiny, RidgeFill(maps, split=2))
     with pytest.raises(ValueError, match=r"split 9 outside 1\.\.5"):
         Server(tiny, RidgeFill.identity(9))
-    with pytest.raises(ValueError, match="architecture 'qwen35' is not supported by RidgeFill prefill"):
-        Server(tiny_models["qwen35"], RidgeFill.identity(2))
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported by RidgeFill prefill"):
+        Server(unsupported_model, RidgeFill.identity(2))
     with pytest.raises(ValueError, match="no such file"):
         Server(tmp_path / "missing.gguf")
     with pytest.raises(ValueError, match="no such file"):
