@@ -1194,6 +1194,12 @@ std::string llama_ridgefill_context::run_late(llama_context & lctx, const llama_
                 }
             }
 
+            // the splice test: the tail starts from the given state (the graphs before wrote the cell)
+            if (recurrent && c0 == n_prefix && splice_states.count(il)) {
+                ggml_backend_sched_synchronize(sched);
+                rf_write_state(caches.recr, il, rs_cell, splice_states.at(il));
+            }
+
             const bool rs_zero = recurrent && p.pos0 == 0 && c0 == 0; // a new sequence starts from a zero state
             llama_memory_context_ptr mctx = rf_reuse_context(caches, p.seq_id, ub, kc, kc_swa, rs_cell, rs_zero);
             if (!mctx->apply()) {
@@ -1569,3 +1575,30 @@ int32_t llama_ridgefill_get_boundary_state(struct llama_context * ctx, int32_t i
     return it == rf->boundary_states.end() ? 0 : rf_copy_out(it->second, out, n);
 }
 
+
+int32_t llama_ridgefill_splice_state(struct llama_context * ctx, int32_t il, const float * state, int32_t n) {
+    auto * rf = rf_get(ctx, __func__);
+    if (!rf) {
+        return -1;
+    }
+    if (state == nullptr) {
+        rf->splice_states.clear();
+        llama_ridgefill_clear_error();
+        return 0;
+    }
+    const llama_hparams & hparams = rf->model.hparams;
+    const rf_caches caches = rf_get_caches(ctx->get_memory());
+    if (!caches.recr || il < rf->params.split_layer || il >= rf->n_layer || !hparams.is_recr(il)) {
+        llama_ridgefill_set_error(__func__, format("layer %d is not a late recurrent layer (split %d of %d)",
+                il, rf->params.split_layer, rf->n_layer));
+        return -1;
+    }
+    const int64_t n_state = (ggml_nbytes(caches.recr->r_l[il]) + ggml_nbytes(caches.recr->s_l[il]))/caches.recr->size/sizeof(float);
+    if (n != n_state) {
+        llama_ridgefill_set_error(__func__, format("a state of layer %d has %lld values, not %d", il, (long long) n_state, n));
+        return -1;
+    }
+    rf->splice_states[il].assign(state, state + n);
+    llama_ridgefill_clear_error();
+    return 0;
+}

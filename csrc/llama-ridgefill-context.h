@@ -137,4 +137,7 @@ struct llama_ridgefill_context {
     // terminal-state correction) into boundary_states
     bool record_boundary = false;
     std::map<int32_t, std::vector<float>> boundary_states;
+
+    // the splice test: late recurrent layer -> the state its tail starts from (llama_ridgefill_splice_state)
+    std::map<int32_t, std::vector<float>> splice_states;
 };

@@ -232,6 +232,13 @@ extern "C" {
     // -1 without RidgeFill attached
     LLAMA_API int32_t llama_ridgefill_get_boundary_state(struct llama_context * ctx, int32_t il, float * out, int32_t n);
 
+    // diagnostics (the splice test of DESIGN §9 for recurrent state): in the next plans, late recurrent
+    // layer il starts its tail rows from `state` (n floats in the layout of llama_ridgefill_read_state,
+    // e.g. read after an exact prefill of the prompt's prefix) instead of the state its filled rows
+    // left, before any terminal-state correction. state NULL: no layer is spliced any more.
+    // Returns 0, or -1 (not a late recurrent layer of this context, wrong size).
+    LLAMA_API int32_t llama_ridgefill_splice_state(struct llama_context * ctx, int32_t il, const float * state, int32_t n);
+
     // whether the maps carry state gains for the terminal-state correction
     LLAMA_API bool llama_ridgefill_maps_has_state_gains(const struct llama_ridgefill_maps * maps);
 

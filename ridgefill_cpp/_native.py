@@ -318,6 +318,11 @@ def llama_ridgefill_record_boundary_states(ctx, record: bool, /) -> None: ...
 def llama_ridgefill_get_boundary_state(ctx, il: int, out, n: int, /) -> int: ...
 
 
+# LLAMA_API int32_t llama_ridgefill_splice_state(struct llama_context * ctx, int32_t il, const float * state, int32_t n);
+@ctypes_function("llama_ridgefill_splice_state", [llama_context_p, ctypes.c_int32, _float_p, ctypes.c_int32], ctypes.c_int32)
+def llama_ridgefill_splice_state(ctx, il: int, state, n: int, /) -> int: ...
+
+
 # LLAMA_API int32_t llama_ridgefill_read_kv(struct llama_context * ctx, int32_t il, llama_seq_id seq_id,
 #                                           const llama_pos * pos, int32_t n, float * k_out, float * v_out);
 @ctypes_function("llama_ridgefill_read_kv",

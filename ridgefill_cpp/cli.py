@@ -515,7 +515,7 @@ def eval_cmd(
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help="Documents per length (default 12; --quick: 4)."),
     key_rescale: int = typer.Option(0, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows."),
-    splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V)."),
+    splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
     quick: bool = typer.Option(False, "--quick", help="Smoke run: 1024-token prompts, 4 documents, 2 retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),

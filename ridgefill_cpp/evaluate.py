@@ -346,8 +346,10 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     res = EvalResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, options=asdict(options), sources=text_sources(texts), key_cut={})
     T = options.tail
-    n_splice = 2 if options.splice else 0
-    # exact, cut, ridge, identity, sweep, key rescale, (exact + splice) x 2
+    # hybrids: the late recurrent layers, whose boundary state the splice test also replaces
+    rec_layers = [il for il in info.recurrent_layers if il >= S0]
+    n_splice = (2 + bool(rec_layers)) if options.splice else 0
+    # exact, cut, ridge, identity, sweep, key rescale, (exact + splice) x (K, V[, state])
     per_doc_runs = 4 + len(splits) - 1 + (options.key_rescale > 0) + len(options.selectors) + 2 * n_splice
     conditions = ["exact", "ridge, planted row filled", "ridge, attention selector", "identity, planted row filled",
                   "identity, attention selector"]
@@ -380,7 +382,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
             levers = (["ridge + key rescale"] if options.key_rescale > 0 else []) + [lever_name(x) for x in options.selectors]
             variants += [lever_name(x) for x in options.selectors]
             if options.splice:
-                variants += ["ridge, exact K", "ridge, exact V"]
+                variants += ["ridge, exact K", "ridge, exact V"] + (["ridge, exact state"] if rec_layers else [])
             recs = {v: [] for v in ["exact"] + variants}
             times = {v: [] for v in ["exact"] + variants}
             plans: dict[str, dict] = {}
@@ -433,6 +435,19 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
                         logits, dt = run.prefill(prompt, T, plan=True)
                         scored(variant, _nll(logits, targets), dt)
                         tick(variant)
+                    if rec_layers:
+                        # the late recurrent layers' tails start from the exact prefix's states
+                        run.detach()
+                        run.prefill(prompt[:n - T], 1, plan=False)
+                        states = {il: run.llm.read_state(il) for il in rec_layers}
+                        tick("exact prefix (splice source)")
+                        run.attach(maps[0], S0, options)
+                        for il, st in states.items():
+                            run.llm.ridgefill_splice_state(il, st)
+                        logits, dt = run.prefill(prompt, T, plan=True)
+                        run.llm.ridgefill_splice_state(None)
+                        scored("ridge, exact state", _nll(logits, targets), dt)
+                        tick("ridge, exact state")
                 run.detach()
             res.docs[key] = recs
             res.times[key] = times
@@ -487,7 +502,9 @@ def _paired(recs: dict, levers: list[str], options: EvalOptions) -> dict:
 
 def _splice_shares(recs: dict, options: EvalOptions) -> dict:
     out = {}
-    for name, v in (("K", "ridge, exact K"), ("V", "ridge, exact V")):
+    for name, v in (("K", "ridge, exact K"), ("V", "ridge, exact V"), ("state", "ridge, exact state")):
+        if v not in recs:
+            continue
         out[name] = {}
         for m in ("all", "novel", "key"):
             fill, spl, wts = _per_doc(recs, "ridge", m), _per_doc(recs, v, m), _per_doc(recs, "ridge", m, weights=True)

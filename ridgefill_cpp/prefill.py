@@ -398,6 +398,21 @@ class Llama(llama_cpp.Llama):
         st = self._state_floats(lambda out, n: N.llama_ridgefill_get_boundary_state(self._ctx.ctx, layer, out, n))
         return st if st.size else None
 
+    def ridgefill_splice_state(self, layer: int | None, state=None) -> None:
+        """The splice test for recurrent state (DESIGN §9): in the next RidgeFill prefills, late
+        recurrent ``layer``'s tail rows start from ``state`` (the layout of :meth:`read_state`, e.g.
+        read after an exact prefill of the prompt's prefix) instead of the state its filled rows left.
+        ``layer`` None: no layer is spliced any more."""
+        import numpy as np
+
+        if layer is None:
+            N.llama_ridgefill_splice_state(self._ctx.ctx, 0, None, 0)
+            return
+        st = np.ascontiguousarray(state, dtype=np.float32)
+        if N.llama_ridgefill_splice_state(self._ctx.ctx, int(layer), st.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                          st.size) != 0:
+            raise ValueError(_last_error())
+
     def ridgefill_record_boundary_states(self, record: bool = True) -> None:
         """Record each late recurrent layer's boundary state in the next RidgeFill prefills."""
         N.llama_ridgefill_record_boundary_states(self._ctx.ctx, bool(record))

@@ -112,7 +112,8 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
             L.append("")
         if n in res.splice:
             L.append("**Splice test** (share of the ridge fill's ΔNLL removed when the filled rows' late-layer K, or V, "
-                     "is replaced by the exact one; the exact prefill fills the same cells first):\n")
+                     "is replaced by the exact one; the exact prefill fills the same cells first; hybrids: \"state\" "
+                     "starts every late recurrent layer's tail from the exact prefix's state):\n")
             L.append("(\"undefined\": in some bootstrap resample the fill's pooled ΔNLL is not above 0, so there is "
                      "nothing to apportion; the point estimate is shown when the fill's own ΔNLL CI is above 0. "
                      "\"—\": the fill's ΔNLL is not above 0 at all.)\n")
@@ -120,7 +121,7 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
             L.append("|---|---|---|---|")
             ridge = s.get("ridge", {})
             pos = {m: bool(ridge.get(m) and ridge[m]["delta"]["low"] > 0) for m in ("novel", "key", "all")}
-            for name in ("K", "V"):
+            for name in res.splice[n]:
                 sp = res.splice[n][name]
                 L.append(f"| {name} | " + " | ".join(_pct(sp.get(m), pos[m]) for m in ("novel", "key", "all")) + " |")
             L.append("")

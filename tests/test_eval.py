@@ -115,3 +115,19 @@ def test_eval_bad_input(tiny_models, tiny_maps, cli, tmp_path):
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--text", empty, "--out", tmp_path / "x")
     assert r.exit_code == 1 and "text found" in r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_hybrid_splice_test_replaces_the_recurrent_state(tiny_models, tmp_path):
+    """qwen35: the splice test adds "ridge, exact state" (every late GDN layer's tail starts from the
+    exact prefix's state). It removes most of the fill's error on the tiny hybrid: the documents'
+    mean |ΔNLL| drops below the plain ridge fill's."""
+    model = tiny_models["qwen35"]
+    fit = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=3000, ctx=128, split=3, n_threads=1))
+    maps = write_map_file(tmp_path / "qwen35.S3.gguf", fit.maps)
+    res = evaluate(model, [maps], EvalOptions.quick(n_docs=3, n_threads=1, lengths=[512]))
+    docs = res.docs["512"]
+    assert len(docs["ridge, exact state"]) == len(docs["ridge"]) == 3
+    assert set(res.splice["512"]) == {"K", "V", "state"}
+    ridge = np.mean([abs(r["all"][0]) for r in docs["ridge"]])
+    spliced = np.mean([abs(r["all"][0]) for r in docs["ridge, exact state"]])
+    assert spliced < ridge

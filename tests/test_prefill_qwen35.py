@@ -204,6 +204,43 @@ def test_state_correction_matches_the_oracle(n_ubatch, model, oracle, prompt, ma
         llm.close()
 
 
+def test_state_splice_matches_the_oracle(model, oracle, prompt, map_file):
+    """The splice test for recurrent state: the tail of each late GDN layer starts from the exact
+    boundary state (read after a stock prefill of the prefix) instead of the filled one, as the
+    oracle's fill_forward(boundary_override=) with its own exact states; the result is closer to
+    stock than the plain fill."""
+    maps = read_map_file(map_file)
+    exact = [0, 5, 60, 120]
+    n_prefix = N_TOKENS - TAIL
+    stock = Llama(str(model), **ctx_kwargs())
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector=exact, min_prompt=0), **ctx_kwargs())
+    try:
+        stock.eval(prompt[:n_prefix])
+        states = {il: stock.read_state(il) for il in (3, 4)}
+        stock.eval(prompt[n_prefix:])
+        exact_ref = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=range(n_prefix))
+        ref = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=exact,
+                           boundary_override={il: exact_ref.boundary_states[il] for il in (3, 4)})
+        plain = fill_forward(oracle, prompt, split=S, maps=maps, tail=TAIL, exact_positions=exact)
+        for il, st in states.items():
+            assert rel(st, _state(exact_ref.boundary_states[il])) < TOL  # stock's prefix state is the exact one
+            llm.ridgefill_splice_state(il, st)
+        llm.eval(prompt)
+        _check_against(llm, ref, oracle, N_TOKENS)
+        assert rel(last_logits(llm), last_logits(stock)) < rel(plain.last_logits.numpy(), last_logits(stock))
+        llm.ridgefill_splice_state(None)  # off again: the plain fill
+        llm.reset()
+        llm.eval(prompt)
+        _check_against(llm, plain, oracle, N_TOKENS)
+        with pytest.raises(ValueError, match="layer 5 is not a late recurrent layer"):
+            llm.ridgefill_splice_state(5, states[4])
+        with pytest.raises(ValueError, match="not 3"):
+            llm.ridgefill_splice_state(4, states[4][:3])
+    finally:
+        llm.close()
+        stock.close()
+
+
 def test_attention_selector_matches_the_oracle(model, oracle, prompt, map_file):
     """The selector scores at the last full-attention layer below S (layer 2; GDN layers have no
     attention), then the plan matches the oracle with the oracle's own selection."""

@@ -216,7 +216,8 @@ def _check_maps(oracle: Oracle, maps: "RidgeMaps", split: int, n_embd: int) -> N
 def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "RidgeMaps | None" = None,
                  tail: int, exact_positions: Sequence[int] = (), value_rescale: int = DEFAULT_VALUE_RESCALE,
                  key_rescale: int = 0, tail_logits: bool = False, probe_queries: int = 0,
-                 fixed: FillOutput | None = None, state_gains: dict[int, torch.Tensor] | None = None) -> FillOutput:
+                 fixed: FillOutput | None = None, state_gains: dict[int, torch.Tensor] | None = None,
+                 boundary_override: dict[int, "GDNState"] | None = None) -> FillOutput:
     """Filled-row prefill of `tokens` (a fresh sequence, positions 0..N-1), DESIGN §4.
 
     `split` S (1..L; S = L is the exact forward), `maps` the ridge maps fitted for S (None:
@@ -234,6 +235,8 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     `state_gains` (qwen35): the terminal-state correction, late GDN layer -> per value-head gains
     [n_v_heads]; the layer's recurrent (ssm) state after the last prefix row is multiplied by them
     before the tail rows continue the recurrence (:mod:`ridgefill_cpp.oracle.state_correction`).
+    `boundary_override` (qwen35, the splice test of DESIGN §9): late GDN layer -> the state its tail
+    rows start from instead of the one the prefix left (before `state_gains`).
     """
     tokens = [int(t) for t in tokens]
     n, n_layer = len(tokens), oracle.n_layer
@@ -310,8 +313,10 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
             head = oracle.gdn_update(il, layer_inputs[il, :b], keep_row_states=True)
             boundary_states[il] = head.state
             start = head.state
+            if boundary_override is not None and il in boundary_override:
+                start = boundary_override[il]
             if state_gains is not None and il in state_gains:
-                start = GDNState(conv=head.state.conv, ssm=head.state.ssm * state_gains[il].to(x.dtype)[:, None, None])
+                start = GDNState(conv=start.conv, ssm=start.ssm * state_gains[il].to(x.dtype)[:, None, None])
             rest = oracle.gdn_update(il, layer_inputs[il, b:], state=start, keep_row_states=True)
             upd = GDNUpdate(state=rest.state, q=torch.cat([head.q, rest.q]),
                             row_states=torch.cat([head.row_states, rest.row_states]),
