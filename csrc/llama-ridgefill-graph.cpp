@@ -110,10 +110,9 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
 
 ggml_tensor * llama_ridgefill_build_out_ids(const llm_graph_context & g) {
     const llama_ridgefill_graph * rf = g.rf;
-    if (llama_ridgefill_stops_early(rf, g.n_layer)) {
-        return nullptr;
+    if (llama_ridgefill_stops_early(rf, g.n_layer) || rf->out_ids.empty()) {
+        return nullptr; // no output: stops early, or a chunk of a recurrent last layer without exact rows
     }
-    GGML_ASSERT(!rf->out_ids.empty());
     return rf_inputs(g)->add(g.ctx0, GGML_TYPE_I32, rf->out_ids.size(), rf->out_ids.data(), "ridgefill_out_ids");
 }
 

@@ -116,7 +116,8 @@ static inline bool llama_ridgefill_stops_early(const llama_ridgefill_graph * rf,
 // layer, x̂ for the filled rows and the stored inputs of the exact rows, merged in position order
 ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g);
 
-// the output rows of a RidgeFill graph (out_ids); nullptr for a graph that stops before the last layer
+// the output rows of a RidgeFill graph (out_ids); nullptr for a graph without outputs (one that stops
+// before the last layer, or a chunk of a recurrent last layer whose rows are all filled)
 ggml_tensor * llama_ridgefill_build_out_ids(const llm_graph_context & g);
 
 // recurrent late layer: the start state of the graph's rows, s [S_v, S_v, H_v, 1], with the

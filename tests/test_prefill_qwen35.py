@@ -159,6 +159,29 @@ def test_prefill_matches_the_oracle(case, model, oracle, prompt, map_file):
         llm.close()
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.1])
+def test_a_recurrent_last_layer(fraction, tiny_models, prompt, tmp_path):
+    """A hybrid whose last layer is a GDN layer (Qwen3.5's last layer is attention; the code reads the
+    pattern from the model): chunks of filled rows only have no outputs, the tail's chunk gives the
+    logits; identity fill at S = 3 (layers 3, 4, 5 recurrent late layers) against the oracle."""
+    import make_tiny_models as mtm
+
+    model = mtm.make_tiny_model(ARCH, tmp_path / "last-recurrent.gguf", seed=0,
+                                recurrent_layers=(True, True, False, True, False, True))
+    o = load_oracle(model, dtype=torch.float64)
+    assert o.is_recurrent(5) and not o.is_recurrent(4)
+    exact = select_exact_rows(attention_scores(o, prompt, default_selector_layer(o, S)), N_TOKENS - TAIL, fraction)
+    ref = fill_forward(o, prompt, split=S, tail=TAIL, exact_positions=exact)
+    llm = Llama(str(model), ridgefill=RidgeFill.identity(S, tail=TAIL, selector=exact, min_prompt=0),
+                **ctx_kwargs(n_ubatch=32, n_batch=64))
+    try:
+        llm.eval(prompt)
+        assert llm.ridgefill_stats["n_filled"] == N_TOKENS - TAIL - len(exact)
+        _check_against(llm, ref, o, N_TOKENS)
+    finally:
+        llm.close()
+
+
 def test_filled_rows_change_the_state(model, oracle, prompt, map_file):
     """The filled rows really feed the late recurrence with x̂: the final state of GDN layer 4 differs
     from the exact prefill's by about as much as the oracle says, and identity differs from ridge."""
