@@ -348,13 +348,15 @@ def test_degenerate_plans_are_bit_identical_to_stock(model, oracle, prompt):
             llm.close()
 
 
-@pytest.mark.parametrize("n_ubatch", [16, 64])
-def test_all_rows_exact_equals_stock(n_ubatch, model, prompt, map_file):
+@pytest.mark.parametrize("n_ubatch,flash_attn", [(16, False), (64, False), (64, True)])
+def test_all_rows_exact_equals_stock(n_ubatch, flash_attn, model, prompt, map_file):
     """exact_fraction 1.0, value rescale off: the late phase recomputes every late layer exactly,
-    the GDN layers over every row from a zero state; logits and final states equal stock."""
-    stock = Llama(str(model), **ctx_kwargs(n_ubatch=n_ubatch))
+    the GDN layers over every row from a zero state; logits and final states equal stock (also with
+    flash attention and an F16 cache)."""
+    kw = dict(n_ubatch=n_ubatch, flash_attn=flash_attn, **(dict(type_k=1, type_v=1) if flash_attn else {}))
+    stock = Llama(str(model), **ctx_kwargs(**kw))
     llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, exact_fraction=1.0, value_rescale=0, min_prompt=0),
-                **ctx_kwargs(n_ubatch=n_ubatch))
+                **ctx_kwargs(**kw))
     try:
         stock.eval(prompt)
         llm.eval(prompt)
