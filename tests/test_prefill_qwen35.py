@@ -426,6 +426,35 @@ def test_state_correction_needs_gains(model, map_file):
         RidgeFill(map_file, state_correction="scale")
 
 
+def test_embedding_rows_with_mrope_positions_are_refused(model, prompt):
+    """A planned prompt brought as embeddings on an M-RoPE model (positions would not be text
+    positions): decode fails with a message, the plan is dropped, and the context stays usable."""
+    llm = Llama(str(model), ridgefill=RidgeFill.identity(S, tail=TAIL, min_prompt=0), **ctx_kwargs())
+    try:
+        ctx = llm._ctx.ctx
+        n, n_embd = 40, llm.n_embd()
+        assert N.llama_ridgefill_begin(ctx, 0, 0, n) == 1
+        batch = llama_cpp.llama_batch_init(n, n_embd, 1)
+        try:
+            batch.n_tokens = n
+            for i in range(n):
+                for k in range(n_embd):
+                    batch.embd[i * n_embd + k] = 0.01 * ((i + k) % 7)
+                batch.pos[i] = i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = i == n - 1
+            assert llama_cpp.llama_decode(ctx, batch) != 0
+        finally:
+            llama_cpp.llama_batch_free(batch)
+        assert "embeddings with multi-section positions (M-RoPE)" in N.llama_ridgefill_last_error().decode()
+        llm.reset()
+        llm.eval(prompt)  # a planned text prompt afterwards is served
+        assert llm.ridgefill_stats["n_prompt"] == N_TOKENS
+    finally:
+        llm.close()
+
+
 def test_state_readout_refusals(model, prompt):
     llm = Llama(str(model), **ctx_kwargs())
     try:
