@@ -118,3 +118,37 @@ def test_demo_runs_on_a_tiny_model(tiny_models, cli, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert (tmp_path / "maps" / "tiny-llama.ridgefill.gguf").is_file()
     assert "RidgeFill:" in r.output and "rows filled" in r.output and "ceiling 1/r" in r.output
+
+
+def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
+    """tools/gpu_check.py (the H200 figures of docs/gpu-h200) and tools/measure_state_correction.py
+    run end to end on a CPU build: every architecture's RidgeFill prefill agrees with the oracle at
+    float32 rounding here, and the state-correction report covers the tiny hybrid's mapped GDN layer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    run = subprocess.run([sys.executable, str(tools / "gpu_check.py"), "--out", str(tmp_path / "gpu"), "--n-gpu-layers", "0",
+                          "--skip-speed"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    d = json.loads((tmp_path / "gpu" / "gpu-check.json").read_text())
+    assert set(d["agreement"]) == {"llama", "qwen3", "gemma3", "qwen35"}
+    for arch, r in d["agreement"].items():
+        assert "error" not in r, (arch, r)
+        tol = 1e-3 if arch == "gemma3" else 1e-5  # gemma3: llama.cpp's CPU GELU is an F16 table
+        assert r["stock_vs_oracle"] < tol and r["ridgefill_resident_vs_oracle"] < tol, (arch, r)
+        assert r["ridgefill_host_vs_oracle"] == r["ridgefill_resident_vs_oracle"]
+    assert d["agreement"]["qwen35"]["states_resident_vs_oracle"] < 1e-5
+    assert d["agreement"]["qwen35"]["state_correction_vs_oracle"] < 1e-5
+
+    out = tmp_path / "statecorr.json"
+    run = subprocess.run([sys.executable, str(tools / "measure_state_correction.py"), "--windows", "2", "--ctx", "256",
+                          "--tail", "32", "--calib-tokens", "6000", "--json", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert list(d["gains"]) == ["4"] and len(d["gains"]["4"]) == 4 and all(g > 0 for g in d["gains"]["4"])
+    for k in ("without", "with"):
+        assert len(d["boundary_rel_error"]["4"][k]) == 2 and len(d["kl_last_row"][k]) == 2
+    assert "boundary state" in run.stdout
