@@ -309,13 +309,14 @@ def test_host_memory_prompt_cache_keeps_the_approximate_mark(tiny_models, tmp_pa
         assert res["timings"]["cache_n"] == 390
 
 
-def test_four_slots_concurrent_equal_alone_also_while_one_generates(tiny, tiny_models):
-    model = tiny_models["llama"]
+def _concurrent_equal_alone(srv: Server, model: Path) -> None:
+    """Three RidgeFill prompts and one 48-token generation at once on four slots: each equals the same
+    request served alone (tokens, plan, first-token probabilities)."""
     prompts = [_prompt(model, 300 + 20 * i, shift=11 * i) for i in range(3)]
     gen_prompt = _prompt(model, 30, shift=5)
 
     def run(p, n, **kw):
-        return _complete(tiny, p, n=n, **kw)
+        return _complete(srv, p, n=n, **kw)
 
     alone = [run(p, 6) for p in prompts]
     gen_alone = run(gen_prompt, 48, ridgefill=False)
@@ -338,11 +339,24 @@ def test_four_slots_concurrent_equal_alone_also_while_one_generates(tiny, tiny_m
         assert r["ridgefill"]["applied"] and r["tokens"] == a["tokens"]
         assert r["ridgefill"]["n_filled"] == a["ridgefill"]["n_filled"]
         # (a token that ends inside a UTF-8 character has no probabilities in llama-server's response)
-        assert ("completion_probabilities" in r) == ("completion_probabilities" in a)
-        if "completion_probabilities" in a:
-            assert _first_probs(r) == pytest.approx(_first_probs(a), abs=1e-4)
+        assert [e["id"] for e in r.get("completion_probabilities", [])] == [e["id"] for e in a.get("completion_probabilities", [])]
+        for er, ea in zip(r.get("completion_probabilities", []), a.get("completion_probabilities", [])):
+            assert {t["id"]: t["logprob"] for t in er["top_logprobs"]} == pytest.approx(
+                {t["id"]: t["logprob"] for t in ea["top_logprobs"]}, abs=1e-3)
     slots = {r["id_slot"] for r in results.values()}
     assert len(slots) == 4  # four slots served them at once
+
+
+def test_four_slots_concurrent_equal_alone_also_while_one_generates(tiny, tiny_models):
+    _concurrent_equal_alone(tiny, tiny_models["llama"])
+
+
+def test_qwen35_four_slots_concurrent_equal_alone(tiny_models, tmp_path):
+    """The hybrid with four slots: planned prompts take turns with a generating slot, each slot's
+    recurrent cell continues only its own sequence (the late phase addresses the cell by sequence)."""
+    rf = RidgeFill.identity(**TINY_RF)
+    with Server(tiny_models["qwen35"], rf, extra_args=TINY_ARGS, log_path=tmp_path / "s.log", startup_timeout=60) as s:
+        _concurrent_equal_alone(s, tiny_models["qwen35"])
 
 
 def test_generation_takes_turns_with_the_chunks_of_a_planned_prompt(tiny_models, tmp_path):
