@@ -87,11 +87,6 @@ void rf_write_state(const llama_memory_recurrent * recr, int32_t il, int32_t cel
     }
 }
 
-// a memory context over rows already in the memory: the KV cells `cells` of the ubatch's rows; for
-// hybrid models also the recurrent state of cell rs_cell, continued (rs_zero: from a zeroed state)
-llama_memory_context_ptr rf_reuse_context(const rf_caches & caches, llama_seq_id seq_id, const llama_ubatch & ub,
-        const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_swa, int32_t rs_cell, bool rs_zero);
-
 bool rf_is_full_attention(const llama_hparams & hparams, int il) {
     return !hparams.is_swa(il) && !hparams.is_recr(il);
 }
@@ -144,6 +139,8 @@ llama_kv_cache::slot_info rf_reuse_slot(const llama_kv_cache * kv, llama_seq_id 
     return sinfo;
 }
 
+// a memory context over rows already in the memory: the KV cells `cells` of the ubatch's rows; for
+// hybrid models also the recurrent state of cell rs_cell, continued (rs_zero: from a zeroed state)
 llama_memory_context_ptr rf_reuse_context(const rf_caches & caches, llama_seq_id seq_id, const llama_ubatch & ub,
         const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_swa, int32_t rs_cell, bool rs_zero) {
     if (caches.iswa) {
@@ -169,12 +166,13 @@ llama_ubatch rf_make_ubatch(llama_seq_id seq_id, const std::vector<llama_pos> & 
     auto data = std::make_shared<llama_ubatch::data_t>();
     const uint32_t n = pos.size();
 
-    data->pos.assign((size_t) n*n_pos, 0);
-    for (uint32_t k = 0; k < std::min<uint32_t>(n_pos, 3); ++k) {
-        std::copy(pos.begin(), pos.end(), data->pos.begin() + (size_t) k*n);
-    }
     if (n_pos == 1) {
         data->pos = pos;
+    } else {
+        data->pos.assign((size_t) n*n_pos, 0);
+        for (uint32_t k = 0; k < std::min<uint32_t>(n_pos, 3); ++k) {
+            std::copy(pos.begin(), pos.end(), data->pos.begin() + (size_t) k*n);
+        }
     }
     data->n_seq_id   .assign(n, 1);
     data->seq_id_data.assign(1, seq_id);
