@@ -160,20 +160,26 @@ llama_memory_context_ptr rf_reuse_context(const rf_caches & caches, llama_seq_id
             std::vector<llama_ubatch> { ub });
 }
 
+// the n_pos positions of n text rows, section-major, into out[n*n_pos]: the positions themselves
+// (n_pos = 1), or M-RoPE's sections p, p, p, 0 (n_pos = 4), as llama.cpp expands text positions
+void rf_text_positions(const llama_pos * pos, size_t n, uint32_t n_pos, llama_pos * out) {
+    for (uint32_t k = 0; k < n_pos; ++k) {
+        if (k < 3) {
+            std::copy_n(pos, n, out + k*n);
+        } else {
+            std::fill_n(out + k*n, n, 0);
+        }
+    }
+}
+
 // a ubatch of rows of one sequence at the given positions, no tokens (the inputs come from x_S);
-// n_pos positions per row (M-RoPE: 4, section-major, text rows: p, p, p, 0)
+// n_pos positions per row (rf_text_positions)
 llama_ubatch rf_make_ubatch(llama_seq_id seq_id, const std::vector<llama_pos> & pos, bool output_last, uint32_t n_pos = 1) {
     auto data = std::make_shared<llama_ubatch::data_t>();
     const uint32_t n = pos.size();
 
-    if (n_pos == 1) {
-        data->pos = pos;
-    } else {
-        data->pos.assign((size_t) n*n_pos, 0);
-        for (uint32_t k = 0; k < std::min<uint32_t>(n_pos, 3); ++k) {
-            std::copy(pos.begin(), pos.end(), data->pos.begin() + (size_t) k*n);
-        }
-    }
+    data->pos.resize((size_t) n*n_pos);
+    rf_text_positions(pos.data(), n, n_pos, data->pos.data());
     data->n_seq_id   .assign(n, 1);
     data->seq_id_data.assign(1, seq_id);
     data->seq_id     .assign(n, data->seq_id_data.data());
@@ -586,46 +592,40 @@ bool llama_ridgefill_context::reserve() {
                 cur.scores    = scores;
                 cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
             }
-        } else if (gdn) {
-            // a chunk of rows, half filled (x̂ from the maps) and half exact, or all exact
-            const uint32_t n_f = phase == 3 ? n_tokens/2 : 0;
-            const uint32_t n_x = n_tokens - n_f;
-            cur.gdn      = true;
+        } else {
+            // the late layer il_res on a chunk of n_tokens rows; n_x of them exact, reaching the output
+            // (a recurrent layer's chunk: half of them filled, or none)
+            const uint32_t n_f_gdn = gdn && phase == 3 ? n_tokens/2 : 0;
+            const uint32_t n_x     = n_tokens - n_f_gdn;
             cur.il_begin = il_res;
             cur.il_end   = last ? n_layer : il_res + 1;
             cur.src      = il_res == S ? xs : xx;
-            cur.m_f_rows.assign(n_f, 0);
             cur.src_rows.assign(n_x, 0);
-            cur.m_perm.resize(n_tokens);
-            std::iota(cur.m_perm.begin(), cur.m_perm.end(), 0);
-            cur.x_ids.resize(n_x);
-            std::iota(cur.x_ids.begin(), cur.x_ids.end(), n_f);
             if (last) {
                 cur.out_ids = { (int32_t) n_x - 1 };
             } else {
                 cur.dst = xx;
                 cur.dst_rows.assign(n_x, 0);
             }
-        } else {
-            // a chunk of exact rows with the fill and the value scale; the most filled rows a prompt
-            // can have, n_ctx - 1, in the fill steps they need (the index inputs and the steps are as
-            // large as they get)
+        }
+        if (gdn) {
+            // filled rows get x̂ from the maps, exact rows their stored inputs, merged in order
+            const uint32_t n_x = cur.src_rows.size();
+            cur.gdn = true;
+            cur.m_f_rows.assign(n_tokens - n_x, 0);
+            cur.m_perm.resize(n_tokens);
+            std::iota(cur.m_perm.begin(), cur.m_perm.end(), 0);
+            cur.x_ids.resize(n_x);
+            std::iota(cur.x_ids.begin(), cur.x_ids.end(), n_tokens - n_x);
+        } else if (late) {
+            // the fill and the value scale; the most filled rows a prompt can have, n_ctx - 1, in the
+            // fill steps they need (the index inputs and the steps are as large as they get)
             const int32_t n_f     = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
             const int32_t n_chunk = fill_chunk(n_f);
             if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && phase == 1 && rf_is_full_attention(hparams, il_res)) {
                 cur.sel_layer = il_res;
                 cur.scores    = scores;
                 cur.sel_ids.assign(std::min<uint32_t>(n_tokens, params.n_sel_queries), 0);
-            }
-            cur.il_begin   = il_res;
-            cur.il_end     = last ? n_layer : il_res + 1;
-            cur.src        = il_res == S ? xs : xx;
-            cur.src_rows.assign(n_tokens, 0);
-            if (last) {
-                cur.out_ids = { (int32_t) n_tokens - 1 };
-            } else {
-                cur.dst = xx;
-                cur.dst_rows.assign(n_tokens, 0);
             }
             cur.fill_layer = il_res;
             cur.n_chunk    = n_chunk;
@@ -869,15 +869,12 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
         cur.n_chunk = fill_chunk(n_f);
         const uint32_t n_pos = hparams.n_pos_per_embd();
         if (n_pos > 1) {
-            // M-RoPE: each fill step's positions section-major (text rows: p, p, p, 0)
-            std::vector<int32_t> pos4((size_t) n_f*n_pos, 0);
+            // M-RoPE: each fill step's positions section-major
+            std::vector<int32_t> sections((size_t) n_f*n_pos);
             for (int32_t i0 = 0; i0 < n_f; i0 += cur.n_chunk) {
-                const int32_t nc = std::min(cur.n_chunk, n_f - i0);
-                for (uint32_t k = 0; k < std::min<uint32_t>(n_pos, 3); ++k) {
-                    std::copy_n(cur.f_pos.begin() + i0, nc, pos4.begin() + (size_t) i0*n_pos + (size_t) k*nc);
-                }
+                rf_text_positions(cur.f_pos.data() + i0, std::min(cur.n_chunk, n_f - i0), n_pos, sections.data() + (size_t) i0*n_pos);
             }
-            cur.f_pos = std::move(pos4);
+            cur.f_pos = std::move(sections);
         }
         if (caches.base->get_v_trans()) {
             const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
