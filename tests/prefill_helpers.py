@@ -44,6 +44,27 @@ def stock_logits(path, tokens, **kw) -> np.ndarray:
         llm.close()
 
 
+def assert_degenerate_plans_are_stock(path, tokens, *, n_layer: int, split: int, tail: int) -> None:
+    """DESIGN §4.6: S = L, N <= T and N < min_prompt run stock prefill, bit for bit (no plan)."""
+    from ridgefill_cpp import RidgeFill
+
+    stock = stock_logits(path, tokens)
+    n = len(tokens)
+    settings = [
+        RidgeFill.identity(n_layer, tail=tail, min_prompt=0),      # S = L
+        RidgeFill.identity(split, tail=n, min_prompt=0),           # N <= T
+        RidgeFill.identity(split, tail=tail, min_prompt=n + 1),    # N < min_prompt
+    ]
+    for rf in settings:
+        llm = Llama(str(path), ridgefill=rf, **ctx_kwargs())
+        try:
+            llm.eval(tokens)
+            assert llm.ridgefill_stats == {}
+            assert np.array_equal(last_logits(llm), stock), rf
+        finally:
+            llm.close()
+
+
 @contextlib.contextmanager
 def captured_log():
     """llama.cpp's log lines while the block runs (a list that fills up), then the usual logger again."""

@@ -21,7 +21,7 @@ from conftest import evaluation_tokens
 
 import ridgefill_cpp  # first: llama_cpp then loads the patched libraries
 import llama_cpp  # noqa: E402
-from prefill_helpers import captured_log, ctx_kwargs, last_logits, rel, stock_logits
+from prefill_helpers import assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, last_logits, rel, stock_logits
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -200,28 +200,13 @@ def test_prefix_reuse_plans_only_the_new_rows(arch, tiny_models, oracles, prompt
 @pytest.mark.parametrize("arch", DENSE)
 def test_degenerate_plans_are_bit_identical_to_stock(arch, tiny_models, oracles, prompt):
     o = oracles[arch]
-    path = tiny_models[arch]
-    stock = stock_logits(path, prompt)
-    settings = [
-        RidgeFill.identity(o.n_layer, tail=TAIL, min_prompt=0),            # S = L
-        RidgeFill.identity(_split(arch, o), tail=N_TOKENS, min_prompt=0),  # N <= T
-        RidgeFill.identity(_split(arch, o), tail=TAIL, min_prompt=N_TOKENS + 1),  # N < min_prompt
-    ]
-    for rf in settings:
-        llm = Llama(str(path), ridgefill=rf, **ctx_kwargs())
-        try:
-            llm.eval(prompt)
-            assert llm.ridgefill_stats == {}
-            assert np.array_equal(last_logits(llm), stock), rf
-        finally:
-            llm.close()
+    assert_degenerate_plans_are_stock(tiny_models[arch], prompt, n_layer=o.n_layer, split=_split(arch, o), tail=TAIL)
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])
 @pytest.mark.parametrize("arch", DENSE)
 def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, prompt, map_files):
     """exact_fraction 1.0, value rescale off: the late phase recomputes every late layer exactly."""
-    o = oracles[arch]
     kw = dict(flash_attn=flash_attn, n_ubatch=48)
     if flash_attn:
         kw.update(type_k=1, type_v=1)  # F16 cache, as flash attention uses it

@@ -24,7 +24,7 @@ from conftest import evaluation_tokens
 
 import ridgefill_cpp  # noqa: F401  (first: llama_cpp then loads the patched libraries)
 import llama_cpp  # noqa: E402
-from prefill_helpers import captured_log, ctx_kwargs, last_logits, rel, stock_logits
+from prefill_helpers import assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, last_logits, rel
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -332,20 +332,7 @@ def test_plan_spanning_several_eval_calls(model, oracle, prompt, map_file):
 
 
 def test_degenerate_plans_are_bit_identical_to_stock(model, oracle, prompt):
-    stock = stock_logits(model, prompt)
-    settings = [
-        RidgeFill.identity(oracle.n_layer, tail=TAIL, min_prompt=0),  # S = L
-        RidgeFill.identity(S, tail=N_TOKENS, min_prompt=0),           # N <= T
-        RidgeFill.identity(S, tail=TAIL, min_prompt=N_TOKENS + 1),    # N < min_prompt
-    ]
-    for rf in settings:
-        llm = Llama(str(model), ridgefill=rf, **ctx_kwargs())
-        try:
-            llm.eval(prompt)
-            assert llm.ridgefill_stats == {}
-            assert np.array_equal(last_logits(llm), stock), rf
-        finally:
-            llm.close()
+    assert_degenerate_plans_are_stock(model, prompt, n_layer=oracle.n_layer, split=S, tail=TAIL)
 
 
 @pytest.mark.parametrize("n_ubatch,flash_attn", [(16, False), (64, False), (64, True)])
