@@ -40,6 +40,12 @@ def _version_callback(value: bool) -> None:
         f"patch set {info['patchset']}, {info['build_type']} build, {info['compiler']}"
     )
     typer.echo(f"backends: {', '.join(info['backends'])}")
+    features = [k if v == "1" else f"{k}={v}" for k, v in info.get("cpu_features", {}).items()]
+    typer.echo(f"CPU backend compiled with: {' '.join(features) or 'no ISA extensions'}")
+    bufts = info.get("cpu_extra_buffer_types", [])
+    typer.echo(f"CPU weight buffer types available here: CPU{''.join(', ' + b for b in bufts)}"
+               + ("" if "AMX_INT8" not in info.get("cpu_features", {}) or "AMX" in bufts
+                  else " (AMX compiled in, but this CPU or kernel does not offer it)"))
     typer.echo(f"libraries: {info['lib_dir']}")
     raise typer.Exit()
 
