@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <stdexcept>
 
@@ -139,8 +140,18 @@ static void check_finite(const ggml_tensor * t, const uint8_t * data) {
 
 } // namespace
 
+void llama_ridgefill_check_regular_file(const char * path, const char * what) {
+    std::error_code ec;
+    const auto st = std::filesystem::status(path, ec);
+    if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
+        throw std::runtime_error(format("%s: the %s is not a regular file (a FIFO, device or directory)", path, what));
+    }
+}
+
 static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * path, const llama_ridgefill_maps_params & params) {
     const llama_model & model = maps.model;
+
+    llama_ridgefill_check_regular_file(path, "map file");
 
     ggml_context * ctx_init = nullptr;
     gguf_init_params meta_params = {
@@ -323,6 +334,7 @@ struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void) {
     llama_ridgefill_maps_params p = {
         /*.split_layer =*/ -1,
         /*.host        =*/ false,
+        /*.model_path  =*/ nullptr,
     };
     return p;
 }
@@ -335,6 +347,15 @@ struct llama_ridgefill_maps * llama_ridgefill_maps_init(const struct llama_model
     auto maps = std::make_unique<llama_ridgefill_maps>(*model);
     try {
         llama_ridgefill_maps_load(*maps, path, params);
+        if (params.model_path != nullptr) {
+            const std::string fp = llama_ridgefill_model_fingerprint_file(params.model_path);
+            if (fp != maps->fingerprint) {
+                throw std::runtime_error(format("%s: the maps were fitted on model %s, %s is %s (another checkpoint): "
+                        "fit maps for this model", path, maps->fingerprint.c_str(), params.model_path, fp.c_str()));
+            }
+        } else {
+            LLAMA_LOG_WARN("%s: %s: no model path given, the maps' model fingerprint is not checked\n", __func__, path);
+        }
     } catch (const std::exception & e) {
         llama_ridgefill_set_error(__func__, e.what());
         return nullptr;

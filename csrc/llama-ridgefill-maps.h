@@ -56,3 +56,12 @@ void llama_ridgefill_set_error(const char * func, const std::string & msg);
 
 // a call succeeded: llama_ridgefill_last_error() returns ""
 void llama_ridgefill_clear_error();
+
+// throws when path names something other than a regular file (or a link to one): a FIFO or a
+// device would block or stream, a directory fail with a less clear message. A missing file is left
+// to the reader's own message. what: "model", "map file"
+void llama_ridgefill_check_regular_file(const char * path, const char * what);
+
+// the fingerprint of the model GGUF at path (llama-ridgefill-fingerprint.cpp); throws with a
+// message naming the file when it cannot be read
+std::string llama_ridgefill_model_fingerprint_file(const char * path);

@@ -32,22 +32,28 @@ extern "C" {
     struct llama_ridgefill_maps;
 
     struct llama_ridgefill_maps_params {
-        int32_t split_layer; // the split S the caller expects, or -1 to take the file's
-        bool    host;        // keep the maps in (pinned) host memory, streamed to the accelerator when
-                             // used, instead of with their layer's weights; the same on CPU
+        int32_t      split_layer; // the split S the caller expects, or -1 to take the file's
+        bool         host;        // keep the maps in (pinned) host memory, streamed to the accelerator when
+                                  // used, instead of with their layer's weights; the same on CPU
+        const char * model_path;  // the model's GGUF file: maps fitted on another checkpoint (another
+                                  // fingerprint) are refused. NULL: not checked (logged)
     };
 
     LLAMA_API struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void);
 
     // load the maps of a map file and check them against the model: file type and format version,
     // architecture, n_layer, n_embd, split, the list of mapped layers, tensor names, shapes, types and
-    // finite values. Returns NULL on any mismatch; llama_ridgefill_last_error() says what did not match.
-    // (The fingerprint of the model the maps were fitted on is returned by
-    // llama_ridgefill_maps_fingerprint for the caller to compare: the model file is not known here.)
+    // finite values, and with params.model_path the fingerprint of the model file the maps were fitted
+    // on. Returns NULL on any mismatch; llama_ridgefill_last_error() says what did not match.
     LLAMA_API struct llama_ridgefill_maps * llama_ridgefill_maps_init(
             const struct llama_model * model,
                           const char * path,
      struct llama_ridgefill_maps_params params);
+
+    // the fingerprint of a model GGUF file as map files record it ("sha256:" and 32 hex digits: the
+    // architecture, the tensor layout and about a megabyte of sampled tensor bytes), written to buf
+    // (NUL-terminated, cut at buf_size). Returns its length, or -1 (see llama_ridgefill_last_error)
+    LLAMA_API int32_t llama_ridgefill_model_fingerprint(const char * model_path, char * buf, size_t buf_size);
 
     LLAMA_API void        llama_ridgefill_maps_free       (struct llama_ridgefill_maps * maps);
     LLAMA_API int32_t     llama_ridgefill_maps_split_layer(const struct llama_ridgefill_maps * maps);

@@ -114,9 +114,9 @@ def build_info() -> dict:
     return info
 
 
-# struct llama_ridgefill_maps_params { int32_t split_layer; bool host; };
+# struct llama_ridgefill_maps_params { int32_t split_layer; bool host; const char * model_path; };
 class llama_ridgefill_maps_params(ctypes.Structure):
-    _fields_ = [("split_layer", ctypes.c_int32), ("host", ctypes.c_bool)]
+    _fields_ = [("split_layer", ctypes.c_int32), ("host", ctypes.c_bool), ("model_path", ctypes.c_char_p)]
 
 
 llama_ridgefill_maps_p = ctypes.c_void_p
@@ -142,6 +142,11 @@ def llama_ridgefill_maps_free(maps, /) -> None: ...
 # LLAMA_API int32_t llama_ridgefill_maps_split_layer(const struct llama_ridgefill_maps * maps);
 @ctypes_function("llama_ridgefill_maps_split_layer", [llama_ridgefill_maps_p], ctypes.c_int32)
 def llama_ridgefill_maps_split_layer(maps, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_model_fingerprint(const char * model_path, char * buf, size_t buf_size);
+@ctypes_function("llama_ridgefill_model_fingerprint", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int32)
+def llama_ridgefill_model_fingerprint(model_path: bytes, buf, buf_size: int, /) -> int: ...
 
 
 # LLAMA_API const char * llama_ridgefill_maps_fingerprint(const struct llama_ridgefill_maps * maps);

@@ -1,8 +1,8 @@
 """Map files loaded into libllama for one model: a thin owner of ``llama_ridgefill_maps``.
 
 The C loader checks the file against the model (type, format version, architecture, n_layer,
-n_embd, split, mapped layers, tensor shapes and types, finite values); the fingerprint of the
-model file is compared here, because the library does not know which file a model came from.
+n_embd, split, mapped layers, tensor shapes and types, finite values) and, given the model's
+file, the fingerprint of the model the maps were fitted on.
 """
 
 from __future__ import annotations
@@ -26,19 +26,11 @@ class NativeMaps:
         params = N.llama_ridgefill_maps_default_params()
         params.split_layer = -1 if split is None else int(split)
         params.host = bool(host)
+        params.model_path = None if model_path is None else os.fsencode(model_path)
         handle = N.llama_ridgefill_maps_init(model, os.fsencode(self.path), params)
         if not handle:
             raise MapFileError(N.llama_ridgefill_last_error().decode(errors="replace"))
         self._handle = handle
-        if model_path is not None:
-            from .fingerprint import model_fingerprint
-
-            want = self.fingerprint
-            got = model_fingerprint(model_path)
-            if got != want:
-                self.close()
-                raise MapFileError(f"{self.path}: the maps were fitted on model {want}, {model_path} is {got} "
-                                   "(another checkpoint): fit maps for this model")
 
     @property
     def handle(self):

@@ -112,3 +112,115 @@ def test_load_is_repeatable_and_frees(llm, fitted):
         m.close()  # idempotent
     with pytest.raises(ValueError, match="freed"):
         handles[0].split_layer
+
+
+# ------------------------------------------------------------------------------------------------
+# the model fingerprint in libllama (the loader's own check) against ridgefill_cpp.fingerprint
+
+
+def _native_fingerprint(path) -> str:
+    import ctypes
+    import os
+
+    from ridgefill_cpp import _native as N
+
+    buf = ctypes.create_string_buffer(64)
+    n = N.llama_ridgefill_model_fingerprint(os.fsencode(path), buf, len(buf))
+    if n < 0:
+        raise MapFileError(N.llama_ridgefill_last_error().decode(errors="replace"))
+    assert n == len(buf.value)
+    return buf.value.decode()
+
+
+def test_libllama_fingerprint_equals_the_python_one(tiny_models, tmp_path, smollm2_path, gemma3_path):
+    import gguf
+
+    from ridgefill_cpp.fingerprint import model_fingerprint
+
+    paths = [*tiny_models.values(), smollm2_path, gemma3_path]
+    # what gguf-py can write and llama.cpp's own writer never does: a trailing dimension of 1 (part
+    # of the fingerprint: the file's dimension count), an F16 tensor, a tensor too small to fill a
+    # sample block, and no tensors at all
+    odd = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(odd, "llama")
+    w.add_block_count(3)
+    w.add_tensor("token_embd.weight", np.arange(64 * 8, dtype=np.float32).reshape(8, 64))
+    w.add_tensor("blk.2.ffn_norm.weight", np.ones((1, 64), dtype=np.float32))
+    w.add_tensor("blk.1.attn_q.weight", np.full((4, 32), 0.5, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    empty = tmp_path / "empty.gguf"
+    w = gguf.GGUFWriter(empty, "qwen3")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    for p in [*paths, odd, empty]:
+        assert _native_fingerprint(p) == model_fingerprint(p), p
+    assert len({_native_fingerprint(p) for p in paths}) == len(paths)
+
+
+def test_libllama_fingerprint_refuses_what_is_not_a_model(tmp_path, tiny_models):
+    import os
+
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(MapFileError, match="model.fifo: the model is not a regular file"):
+        _native_fingerprint(fifo)  # refused, not opened (which would block)
+    with pytest.raises(MapFileError, match="model is not a regular file"):
+        _native_fingerprint(tmp_path)
+    with pytest.raises(MapFileError, match="missing.gguf"):
+        _native_fingerprint(tmp_path / "missing.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_models["llama"].read_bytes()[:3000])
+    with pytest.raises(MapFileError, match="cut.gguf: truncated"):
+        _native_fingerprint(cut)
+    text = tmp_path / "text.gguf"
+    text.write_text("not a model\n")
+    with pytest.raises(MapFileError, match="text.gguf: not a GGUF file"):
+        _native_fingerprint(text)
+
+
+def test_loader_checks_the_fingerprint_and_refuses_fifos(llm, fitted, tiny_models, tmp_path):
+    import os
+
+    model_path, f16, _ = fitted["llama"]
+    NativeMaps(llm._model.model, f16, model_path=model_path).close()  # its own model: loads
+    # the refusal now comes from libllama's loader (the server and C callers get it too)
+    other = tiny_models["llama"].parent / "fp-seed2.gguf"
+    import make_tiny_models
+
+    make_tiny_models.make_tiny_model("llama", other, seed=2)
+    _expect_refusal(llm, f16, r"fitted on model sha256:[0-9a-f]{32}, .*fp-seed2.gguf is sha256:[0-9a-f]{32} \(another "
+                    r"checkpoint\)", model_path=other)
+    fifo = tmp_path / "maps.fifo"
+    os.mkfifo(fifo)
+    _expect_refusal(llm, fifo, "maps.fifo: the map file is not a regular file")
+    _expect_refusal(llm, f16, "model.fifo: the model is not a regular file", model_path=_fifo(tmp_path / "model.fifo"))
+
+
+def _fifo(path):
+    import os
+
+    os.mkfifo(path)
+    return path
+
+
+def test_llama_server_refuses_maps_of_another_checkpoint(fitted, tiny_models, tmp_path):
+    """The patched llama-server used directly (not through ridgefill-gguf serve) checks the
+    fingerprint at start-up: it exits with the message before it listens."""
+    import subprocess
+
+    import make_tiny_models
+
+    import ridgefill_cpp
+
+    _, f16, _ = fitted["llama"]
+    other = make_tiny_models.make_tiny_model("llama", tmp_path / "seed3.gguf", seed=3)
+    server = ridgefill_cpp.build_info()["llama_server"]
+    proc = subprocess.run([server, "-m", str(other), "--ridgefill-maps", str(f16), "--host", "127.0.0.1", "--port", "0",
+                           "-c", "256"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "another checkpoint" in log and "seed3.gguf" in log, log[-3000:]

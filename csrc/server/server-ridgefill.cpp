@@ -104,7 +104,8 @@ server_ridgefill::~server_ridgefill() {
     llama_ridgefill_maps_free(maps);
 }
 
-bool server_ridgefill::init(const common_params_ridgefill & params, llama_model * model, llama_context * ctx, std::string & error) {
+bool server_ridgefill::init(const common_params_ridgefill & params, const std::string & model_path, llama_model * model,
+        llama_context * ctx, std::string & error) {
     if (!server_ridgefill_configured(params)) {
         return true;
     }
@@ -121,6 +122,7 @@ bool server_ridgefill::init(const common_params_ridgefill & params, llama_model 
     if (!params.maps.empty()) {
         llama_ridgefill_maps_params mparams = llama_ridgefill_maps_default_params();
         mparams.split_layer = defaults.split_layer;
+        mparams.model_path  = model_path.c_str();
         maps = llama_ridgefill_maps_init(model, params.maps.c_str(), mparams);
         if (maps == nullptr) {
             error = "--ridgefill-maps " + params.maps + ": " + llama_ridgefill_last_error();

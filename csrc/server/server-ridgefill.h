@@ -56,9 +56,11 @@ struct server_ridgefill {
     server_ridgefill & operator=(const server_ridgefill &) = delete;
     ~server_ridgefill();
 
-    // load the maps (if any) and attach RidgeFill to ctx with the command line's settings;
-    // false with the reason in error. Nothing to do when the command line has no RidgeFill.
-    bool init(const common_params_ridgefill & params, llama_model * model, llama_context * ctx, std::string & error);
+    // load the maps (if any; checked against the model file at model_path) and attach RidgeFill to
+    // ctx with the command line's settings; false with the reason in error. Nothing to do when the
+    // command line has no RidgeFill.
+    bool init(const common_params_ridgefill & params, const std::string & model_path, llama_model * model,
+              llama_context * ctx, std::string & error);
 
     bool enabled() const { return ctx != nullptr; }
 
