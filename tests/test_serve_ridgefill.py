@@ -34,7 +34,7 @@ F32 = 0  # GGML_TYPE_F32
 #: the tiny llama (6 layers): identity fill at S = 3, short prompts count as long
 TINY_RF = dict(split=3, tail=16, exact_fraction=0.1, selector="attention", min_prompt=64)
 #: the same numerics as the library below: F32 KV, no flash attention, 256-row batches of 64-row ubatches
-TINY_ARGS = ["-c", "2048", "-np", "4", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0",
+TINY_ARGS = ["-c", "4096", "-np", "4", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0",
              "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--metrics", "--no-warmup"]
 
 
@@ -215,7 +215,7 @@ def test_openai_client_extra_body_and_statistics(tiny, tiny_models):
                                   extra_body={"ridgefill": False, "cache_prompt": False})
     assert c.model_extra["ridgefill"]["applied"] is False
     # chat: the template makes the prompt; a long user message is planned
-    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
     ch = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4,
                                         temperature=0, extra_body={"ridgefill": True, "cache_prompt": False})
     assert ch.model_extra["ridgefill"]["applied"] and ch.model_extra["ridgefill"]["n_prompt"] > 64
@@ -540,7 +540,9 @@ def test_smollm2_client_gone_during_a_planned_prompt(smollm2_path, tmp_path):
 
     prompt = _prompt(smollm2_path, 4000, shift=50)
     rf = RidgeFill.identity(split=20)
-    with Server(smollm2_path, rf, extra_args=[*SMOL_ARGS, "-v"], log_path=tmp_path / "s.log", startup_timeout=120) as s:
+    # one KV pool for all slots (--kv-unified): a 4K prompt on one of the four slots of an 8K cache
+    with Server(smollm2_path, rf, extra_args=[*SMOL_ARGS, "--kv-unified", "-v"], log_path=tmp_path / "s.log",
+                startup_timeout=120) as s:
         fresh = _complete(s, prompt[:1500], n=4)
         host, port = s.url.rsplit("/", 1)[1].split(":")
         body = json.dumps({"prompt": prompt, "n_predict": 4, "cache_prompt": False, "id_slot": 1}).encode()
@@ -603,3 +605,100 @@ def test_measure_server_tool_runs_end_to_end(tiny_models, tmp_path):
         assert 0 < g["median_gap_s"] <= g["max_gap_s"]
     assert d["generation_during_prefill"]["ridgefill"]["applied"] and not d["generation_during_prefill"]["exact"]["applied"]
     assert "speedup" in run.stdout and "ceiling" in run.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# several slots on one KV cache; huge and malformed requests
+
+
+def _post_raw(url: str, data: bytes, timeout: float = HTTP_TIMEOUT) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _concurrently(srv: Server, prompts: list[list[int]], n: int) -> list[tuple[int, dict]]:
+    out: list = [None] * len(prompts)
+
+    def one(i):
+        out[i] = _post(srv.url + "/completion", {"prompt": prompts[i], "n_predict": n, "temperature": 0,
+                                                 "cache_prompt": False})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=2 * HTTP_TIMEOUT)
+    assert all(r is not None for r in out), out
+    return out
+
+
+SHARE_ARGS = ["-c", "512", "-np", "2", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "--no-warmup"]
+
+
+def test_slots_keep_their_stock_share_of_the_unified_cache(tiny_models, tmp_path):
+    """RidgeFill runs on a unified KV cache, but each slot keeps the cells it has on a stock server
+    with the same flags (-c 512 -np 2: 256 each): prompts that exceed the share are refused at
+    once with stock's 400, prompts that fit are served, also when the two together would not fit
+    one slot's share; never a 500 after compute (before: both of two such requests could fail with
+    'Context size has been exceeded')."""
+    model = tiny_models["llama"]
+    too_long = [_prompt(model, 300, shift=3), _prompt(model, 300, shift=40)]
+    fitting = [_prompt(model, 200, shift=5 + 30 * i) for i in range(2)]
+    seen = {}
+    for name, rf in (("stock", None), ("ridgefill", RidgeFill.identity(**TINY_RF))):
+        with Server(model, rf, extra_args=SHARE_ARGS, log_path=tmp_path / f"{name}.log", startup_timeout=60) as s:
+            slots = json.loads(_get(s.url + "/slots")[1])
+            seen[name] = {"n_ctx": [sl["n_ctx"] for sl in slots]}
+            res = _concurrently(s, too_long, n=4)
+            seen[name]["too_long"] = [(st, r["error"]["type"]) for st, r in res]
+            for _ in range(2):
+                res = _concurrently(s, fitting, n=40)
+                assert [st for st, _ in res] == [200, 200], res
+                if rf is not None:
+                    assert all(r["ridgefill"]["applied"] for _, r in res), res
+            assert s.process.poll() is None and _get(s.url + "/health")[0] == 200
+            if rf is not None:
+                assert "each of the 2 slots holds at most 256 of the 512 cells" in s.log()
+    assert seen["ridgefill"] == seen["stock"], seen
+    assert seen["stock"]["n_ctx"] == [256, 256]
+    assert seen["stock"]["too_long"] == [(400, "exceed_context_size_error")] * 2
+
+
+def test_a_shared_pool_admits_prompts_when_their_rows_fit(tiny_models, tmp_path):
+    """With --kv-unified the slots share all -c cells: two 600-row prompts on a 1024-cell cache each
+    fit alone but not together. The second waits until the first is done, and both are planned and
+    served (before: 'Context size has been exceeded', HTTP 500, after compute)."""
+    model = tiny_models["llama"]
+    args = ["-c", "1024", "-np", "2", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "--no-warmup",
+            "--kv-unified"]
+    prompts = [_prompt(model, 600, shift=7), _prompt(model, 600, shift=90)]
+    with Server(model, RidgeFill.identity(**TINY_RF), extra_args=[*args, "-v"], log_path=tmp_path / "s.log",
+                startup_timeout=60) as s:
+        for _ in range(2):
+            res = _concurrently(s, prompts, n=8)
+            assert [st for st, _ in res] == [200, 200], res
+            assert all(r["ridgefill"]["applied"] and r["ridgefill"]["n_prompt"] == 600 for _, r in res), res
+        assert "waits for room in the shared KV cache" in s.log()
+        assert "Context size has been exceeded" not in s.log() and "Compute error" not in s.log()
+
+
+def test_huge_and_malformed_requests_get_short_400s(tiny):
+    huge = "x" * 1_000_000
+    status, body = _post_raw(tiny.url + "/completion",
+                             json.dumps({"prompt": "hello", "n_predict": 2, "ridgefill": {"selector": huge}}).encode())
+    assert status == 400 and len(body) < 2000, (status, len(body))
+    msg = json.loads(body)["error"]["message"]
+    assert '"selector" must be one of' in msg and "(1000002 bytes)" in msg, msg
+    status, body = _post_raw(tiny.url + "/completion",
+                             json.dumps({"prompt": "hello", "ridgefill": {huge: 1}}).encode())
+    assert status == 400 and len(body) < 2000 and "unknown member" in json.loads(body)["error"]["message"]
+    for raw in (b'{"prompt": "hello",', b"not json at all", b""):
+        status, body = _post_raw(tiny.url + "/completion", raw)
+        err = json.loads(body)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error", (raw, status, err)
+        assert "invalid JSON in the request" in err["message"], err
+    assert _get(tiny.url + "/health")[0] == 200 and tiny.process.poll() is None

@@ -60,6 +60,19 @@ common_json server_ridgefill_props(const common_params_ridgefill & params) {
     return res;
 }
 
+// a client's value in an error message, cut so that a huge value does not come back whole
+static std::string rf_quote(const std::string & dumped) {
+    const size_t max_len = 64;
+    if (dumped.size() <= max_len) {
+        return dumped;
+    }
+    return dumped.substr(0, max_len) + "... (" + std::to_string(dumped.size()) + " bytes)";
+}
+
+static std::string rf_quote(const common_json & value) {
+    return rf_quote(value.dump());
+}
+
 server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server) {
     server_ridgefill_request req;
     if (value.is_boolean()) {
@@ -68,27 +81,27 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
         for (const auto & [key, val] : value.items()) {
             if (key == "tail") {
                 if (!val.is_number_integer() || val.get<long long>() < 1 || val.get<long long>() > INT32_MAX) {
-                    throw std::invalid_argument("\"tail\" must be an integer >= 1 (the last prompt rows, always exact), got " + val.dump());
+                    throw std::invalid_argument("\"tail\" must be an integer >= 1 (the last prompt rows, always exact), got " + rf_quote(val));
                 }
                 req.n_tail = (int32_t) val.get<long long>();
             } else if (key == "exact_fraction") {
                 if (!val.is_number() || !(val.get<double>() >= 0.0 && val.get<double>() <= 1.0)) {
-                    throw std::invalid_argument("\"exact_fraction\" must be a number in [0, 1], got " + val.dump());
+                    throw std::invalid_argument("\"exact_fraction\" must be a number in [0, 1], got " + rf_quote(val));
                 }
                 req.exact_fraction = val.get<double>();
             } else if (key == "selector") {
                 const int32_t sel = val.is_string() ? server_ridgefill_selector_from_name(val.get<std::string>()) : -1;
                 if (sel < 0) {
-                    throw std::invalid_argument("\"selector\" must be one of " + rf_selector_names() + ", got " + val.dump());
+                    throw std::invalid_argument("\"selector\" must be one of " + rf_selector_names() + ", got " + rf_quote(val));
                 }
                 req.selector = sel;
             } else {
-                throw std::invalid_argument("unknown member \"" + key + "\" (use tail, exact_fraction, selector)");
+                throw std::invalid_argument("unknown member " + rf_quote(common_json(key)) + " (use tail, exact_fraction, selector)");
             }
         }
     } else {
         throw std::invalid_argument("must be false (exact prefill), true (the server's RidgeFill settings) or an object "
-                "with tail, exact_fraction and selector, got " + value.dump());
+                "with tail, exact_fraction and selector, got " + rf_quote(value));
     }
     if (req.enabled && !enabled_on_server) {
         throw std::invalid_argument("this server runs without RidgeFill (start it with --ridgefill-maps or --ridgefill-split); "
