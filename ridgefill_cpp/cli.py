@@ -28,6 +28,28 @@ def _fail(msg: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def _check_output_file(path: Path, *, force: bool = True) -> None:
+    """An output file, checked before the work starts: a regular file or nothing there (never a
+    symlink, FIFO or device), not there unless ``force``, in a writable directory."""
+    from .files import OutputPathError, check_output
+
+    try:
+        check_output(path, overwrite=force)
+    except (OutputPathError, FileExistsError) as e:
+        _fail(str(e))
+
+
+def _check_output_dir(path: Path, option: str) -> None:
+    """An output directory (created if missing), checked before the work starts."""
+    if path.exists() and not path.is_dir():
+        _fail(f"{option} {path} exists and is not a directory")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        _fail(f"{option} {path}: {existing} is not a writable directory")
+
+
 def _version_callback(value: bool) -> None:
     if not value:
         return
@@ -310,10 +332,7 @@ def fit(
     for path in outputs:
         if path.resolve() == model.resolve():
             _fail("the output path is the model file itself")
-        if path.exists() and not force:
-            _fail(f"{path} exists (use --force to overwrite it)")
-        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
-            _fail(f"cannot write {path}: {path.parent} is not a writable directory")
+        _check_output_file(path, force=force)
     # state gains per split: on for the splits with recurrent layers above them (unless --no-state-gains)
     gain_splits = [] if state_gains is False else [s for s in splits if any(il > s for il in info.recurrent_layers)]
     if state_gains and not gain_splits:

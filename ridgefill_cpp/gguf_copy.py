@@ -10,36 +10,34 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .files import atomic_path
+
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 @contextmanager
-def atomic_gguf_writer(dst: os.PathLike | str, arch: str) -> Iterator[Any]:
-    """A ``gguf.GGUFWriter`` whose file appears at ``dst`` only when the block completes: it writes
-    a temporary file in the same directory and renames it; on any error nothing is left behind."""
+def atomic_gguf_writer(dst: os.PathLike | str, arch: str, *, mode: int | None = None) -> Iterator[Any]:
+    """A ``gguf.GGUFWriter`` whose file appears at ``dst`` only when the block completes
+    (:func:`ridgefill_cpp.files.atomic_path`: a temporary file in the same directory, then a rename;
+    on any error nothing is left behind; only a regular file is replaced; the permission bits are
+    ``mode``, else the replaced file's, else ``0666 & ~umask``)."""
     import gguf
 
-    dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(dst, mode=mode) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
-        yield writer
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        try:
+            yield writer
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
 
 
 def copy_gguf(

@@ -171,19 +171,19 @@ class RidgeMaps:
 
 
 def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f16", overwrite: bool = False) -> Path:
-    """Write ``maps`` atomically (a temporary file in the same directory, then a rename)."""
+    """Write ``maps`` atomically (:func:`ridgefill_cpp.files.atomic_path`: a temporary file in the
+    same directory, then a rename). Only a regular file is replaced (a symlink, FIFO or device at
+    ``path`` is refused, :class:`ridgefill_cpp.files.OutputPathError`), and only with ``overwrite``
+    (``FileExistsError`` otherwise). A new file gets the mode ``open()`` gives (``0666 & ~umask``);
+    a replaced file keeps its permission bits."""
     import gguf
 
-    path = Path(path)
+    from .files import check_output
+
     meta = maps.meta
     if dtype not in ("f16", "f32"):
         raise ValueError(f"dtype must be 'f16' or 'f32', not {dtype!r}")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists (use --force to overwrite it)")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"{path.parent}: no such directory")
-    if not os.access(path.parent, os.W_OK):
-        raise PermissionError(f"{path.parent}: not writable")
+    path = check_output(path, overwrite=overwrite)
     check_maps(maps)
     with atomic_gguf_writer(path, meta.architecture) as w:
         w.add_type(gguf.GGUFType.ADAPTER)
@@ -559,9 +559,10 @@ def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None
                      drop_tensor=lambda name: False, add_tensors: Sequence[tuple[str, np.ndarray]] = ()) -> Path:
     """Copy the GGUF at ``path`` to ``out_path`` (default: ``path`` itself) with every key and tensor
     (tensor bytes included, F16 stays F16) except those ``drop_key`` / ``drop_tensor`` accept, then
-    ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array)). Atomic: a
-    temporary file next to the output, then a rename (a symlink is followed; the output gets the
-    source's permission bits); on any error the output is left as it was."""
+    ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array)). Atomic
+    (:func:`ridgefill_cpp.files.atomic_path`): a temporary file next to the output, then a rename (a
+    symlink is followed; the output gets the source's permission bits); on any error the output is
+    left as it was."""
     import gguf
 
     path = Path(path).resolve()
@@ -569,8 +570,7 @@ def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None
     mode = path.stat().st_mode & 0o7777
     reader = gguf.GGUFReader(path, "r")
     arch = reader.fields["general.architecture"].contents()
-    with atomic_gguf_writer(out_path, arch) as w:
-        os.chmod(w.path, mode)
+    with atomic_gguf_writer(out_path, arch, mode=mode) as w:
         for name, fld in reader.fields.items():
             if name.startswith("GGUF.") or name == "general.architecture" or drop_key(name):
                 continue

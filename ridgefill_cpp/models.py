@@ -18,9 +18,10 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .files import atomic_path
 
 
 class ModelUnavailableError(RuntimeError):
@@ -115,10 +116,9 @@ def _assemble(spec: ModelSpec, parts: list[Path]) -> Path:
     if target.is_file() and _sha256(target) == spec.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{spec.assembled_name}.")
-    try:
+    with atomic_path(target) as tmp:
         h = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
+        with open(tmp, "wb") as out:
             for part in parts:
                 with part.open("rb") as f:
                     for block in iter(lambda: f.read(1 << 20), b""):
@@ -128,10 +128,6 @@ def _assemble(spec: ModelSpec, parts: list[Path]) -> Path:
             raise ModelUnavailableError(
                 f"{spec.name}: assembled file has sha256 {h.hexdigest()}, expected {spec.sha256}"
             )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 

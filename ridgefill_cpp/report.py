@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from .evaluate import EvalResult
+from .files import write_bytes
 
 METRICS = (("novel", "novel tokens"), ("key", "key tokens"), ("all", "all tail tokens"))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _ci(d: dict | None, fmt: str = "{:+.4f}") -> str:
@@ -50,11 +39,11 @@ def write_report(res: EvalResult, out_dir: os.PathLike | str, elapsed_s: float |
     written += plots
 
     j = out / "results.json"
-    _atomic_write(j, json.dumps(res.as_dict(), indent=1).encode())
+    write_bytes(j, json.dumps(res.as_dict(), indent=1).encode())
     written.append(j)
 
     md = out / "report.md"
-    _atomic_write(md, _markdown(res, [p.name for p in plots], res.elapsed_s).encode())
+    write_bytes(md, _markdown(res, [p.name for p in plots], res.elapsed_s).encode())
     written.append(md)
     return written
 
@@ -152,7 +141,7 @@ def _save(fig, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    _atomic_write(path, buf.getvalue())
+    write_bytes(path, buf.getvalue())
     return path
 
 

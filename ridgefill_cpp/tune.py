@@ -379,15 +379,15 @@ def write_tune_report(res: TuneResult, out_dir: os.PathLike | str) -> list[Path]
     the paths."""
     import json
 
-    from .report import _atomic_write
+    from .files import write_bytes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = plot_pareto(res, out / "pareto.png")
     j = out / "tune.json"
-    _atomic_write(j, json.dumps(res.as_dict(), indent=1, allow_nan=False).encode())
+    write_bytes(j, json.dumps(res.as_dict(), indent=1, allow_nan=False).encode())
     md = out / "tune.md"
-    _atomic_write(md, tune_markdown(res, png.name).encode())
+    write_bytes(md, tune_markdown(res, png.name).encode())
     return [png, j, md]
 
 

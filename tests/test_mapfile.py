@@ -221,7 +221,7 @@ def test_cli_fit_bad_inputs(cli, tiny_models, tmp_path, unsupported_model):
         assert res.exit_code == 1, (args, res.output)
         assert message in res.output, (args, res.output)
     assert not (tmp_path / "o.gguf").exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary leftovers
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".") or ".ridgefill-tmp-" in p.name] == []  # no temporary leftovers
 
 
 def test_cli_fit_output_parent_is_not_a_directory(cli, tiny_models, tmp_path):
@@ -245,3 +245,101 @@ def test_cli_fit_several_splits(cli, tiny_models, tmp_path):
     assert res.exit_code == 1 and "must contain {split}" in res.output
     res = cli("fit", model, "--split", "two")
     assert res.exit_code == 1 and "--split must be" in res.output
+
+
+# ------------------------------------------------------------------------------------------------
+# output files (ridgefill_cpp.files): regular files only, the umask's mode, recognisable temporaries
+
+
+def test_cli_fit_refuses_to_replace_a_symlink_fifo_or_directory(cli, tiny_models, tmp_path):
+    """-o X --force writes only regular files: a symlink (here to /dev/null: the link would be
+    replaced, never /dev/null), a FIFO or a directory at X is refused by name before any work."""
+    import stat
+
+    from ridgefill_cpp.files import OutputPathError, check_output
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(precious)
+    devnull_link = tmp_path / "devnull.gguf"
+    devnull_link.symlink_to(os.devnull)
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    folder = tmp_path / "dir.gguf"
+    folder.mkdir()
+    for out, kind in ((link, "a symbolic link"), (devnull_link, "a symbolic link"), (fifo, "a FIFO"),
+                      (folder, "a directory")):
+        res = cli("fit", tiny_models["llama"], "--tokens", 2000, "--ctx", 128, "-o", out, "--force")
+        text = " ".join(res.output.split())
+        assert res.exit_code == 1 and f"{out} is {kind}, not a regular file: refusing to replace it" in text, text
+        assert "capturing" not in text  # refused before the fit
+    assert link.is_symlink() and precious.read_text() == "precious"
+    assert devnull_link.is_symlink() and os.readlink(devnull_link) == os.devnull
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and folder.is_dir() and list(folder.iterdir()) == []
+    # the API refuses the same (and a device node, checked without writing anything)
+    with pytest.raises(OutputPathError, match="a symbolic link"):
+        write_map_file(link, _maps(), overwrite=True)
+    with pytest.raises(OutputPathError, match="a FIFO"):
+        write_map_file(fifo, _maps(), overwrite=True)
+    with pytest.raises(OutputPathError, match="a character device"):
+        check_output(os.devnull)
+    assert precious.read_text() == "precious"
+
+
+def test_written_files_get_the_umask_mode_and_replaced_files_keep_theirs(tmp_path, tiny_models):
+    """A new file gets 0666 & ~umask (what open() gives), in every atomic writer of the package; a
+    file replaced with --force keeps its permission bits."""
+    import stat
+
+    from ridgefill_cpp.files import write_bytes
+    from ridgefill_cpp.gguf_copy import first_layers_gguf
+    from ridgefill_cpp.mapfile import write_tuned_defaults
+
+    def mode(p):
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    old = os.umask(0o027)
+    try:
+        assert mode(write_map_file(tmp_path / "a.gguf", _maps())) == 0o640
+        assert mode(write_bytes(tmp_path / "r.json", b"{}")) == 0o640  # reports, bench --json
+        assert mode(first_layers_gguf(tiny_models["llama"], tmp_path / "cut.gguf", 2)) == 0o640  # model copies
+        os.umask(0o022)
+        assert mode(write_map_file(tmp_path / "b.gguf", _maps())) == 0o644
+        for bits in (0o644, 0o600, 0o664):
+            os.chmod(tmp_path / "b.gguf", bits)
+            write_map_file(tmp_path / "b.gguf", _maps(seed=bits), overwrite=True)
+            assert mode(tmp_path / "b.gguf") == bits
+            write_tuned_defaults(tmp_path / "b.gguf", {"tail": 8, "exact_fraction": 0.0, "selector": "none"})
+            assert mode(tmp_path / "b.gguf") == bits
+    finally:
+        os.umask(old)
+
+
+def test_a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_write_removes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    import ridgefill_cpp
+    from ridgefill_cpp.files import TMP_MARK
+
+    target = tmp_path / "m.ridgefill.gguf"
+    code = (f"import os, signal\nfrom ridgefill_cpp.files import atomic_path\n"
+            f"with atomic_path({str(target)!r}) as tmp:\n"
+            f"    open(tmp, 'wb').write(b'half a map file')\n"
+            f"    os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(ridgefill_cpp.__file__).resolve().parent.parent))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(f"m.ridgefill.gguf{TMP_MARK}") and not left.name.startswith(".")
+    assert not target.exists()
+    # the next write to the target removes it; a live process's temporary file (ours) is kept
+    live = tmp_path / f"m.ridgefill.gguf{TMP_MARK}{os.getpid()}-0123abcd"
+    live.write_bytes(b"")
+    other = tmp_path / f"other.gguf{TMP_MARK}1-0123abcd"  # another target's: not this write's business
+    other.write_bytes(b"")
+    write_map_file(target, _maps())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
+    assert read_map_file(target).meta.split_layer == 3
