@@ -320,6 +320,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
              progress: Callable[[int, int, str], None] | None = None) -> EvalResult:
     """Run the evaluation (see the module docstring). ``maps``: one map file, or several (one per
     split: the first is the main setting, the others form the split sweep)."""
+    from ._limits import check_fraction, check_int
     from .gguf_model import read_model_info
     from .mapfile import map_file_splits
 
@@ -328,6 +329,12 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
         raise ValueError("eval needs a map file (--maps)")
     for spec in (options.selector, *options.selectors):
         parse_selector(spec)
+    # what reaches the C parameters of every attach (int32: no silent wrap-around)
+    check_int("tail", options.tail, 1)
+    check_fraction("exact_fraction", options.exact_fraction)
+    check_int("value_rescale", options.value_rescale, 0, hint="; 0 is off")
+    check_int("key_rescale", options.key_rescale, 0, hint="; 0 is off")
+    check_int("min_prompt", options.min_prompt, 0)
     if len(set(options.selectors)) != len(options.selectors):
         raise ValueError(f"a selector variant is listed twice: {', '.join(options.selectors)}")
     info = read_model_info(model)

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._limits import check_int
 from .gguf_copy import atomic_gguf_writer
 
 FORMAT_VERSION = 1
@@ -543,8 +544,7 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
                 raise ValueError(f"tuned {name} = {value!r} must be finite")
         values[name] = value
     tuned_defaults_from_metadata({TUNED_PREFIX + k: v for k, v in values.items()}, path)  # required keys present
-    if not 1 <= values["tail"]:
-        raise ValueError(f"tuned tail {values['tail']} must be >= 1")
+    check_int("tuned tail", values["tail"], 1)  # RidgeFill's tail is an int32 in the C parameters
     if not 0.0 <= values["exact_fraction"] <= 1.0:
         raise ValueError(f"tuned exact_fraction {values['exact_fraction']} outside [0, 1]")
 

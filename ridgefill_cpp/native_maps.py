@@ -51,6 +51,11 @@ class NativeMaps:
         return N.llama_ridgefill_maps_n_bytes(self.handle)
 
     @property
+    def has_state_gains(self) -> bool:
+        """Whether the file holds terminal-state gains (``RidgeFill(state_correction="gain")``)."""
+        return bool(N.llama_ridgefill_maps_has_state_gains(self.handle))
+
+    @property
     def placement(self) -> str:
         """``"host"`` (pinned host memory, streamed to the accelerator per layer) or ``"resident"``."""
         return "host" if N.llama_ridgefill_maps_host(self.handle) else "resident"

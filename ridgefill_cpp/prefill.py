@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import llama_cpp
 
 from . import _native as N
+from ._limits import INT32_MAX, MAX_THREADS, check_fraction, check_int
 from .gguf_model import read_model_info
 from .native_maps import NativeMaps
 
@@ -123,10 +124,16 @@ class RidgeFill:
 
     def __post_init__(self):
         from .gguf_model import GGUFFileError, read_metadata
-        from .mapfile import ADAPTER_TYPE, tuned_defaults_from_metadata
+        from .mapfile import ADAPTER_TYPE, TUNED_PREFIX, tuned_defaults_from_metadata
 
         tuned = None
         if self.maps is not None:
+            from .files import not_regular
+            from .mapfile import MapFileError
+
+            what = not_regular(self.maps, follow_symlinks=True)
+            if what is not None:  # opening a FIFO would block; a device or directory is no map file
+                raise MapFileError(f"{self.maps}: the map file is {what}, not a regular file")
             try:
                 md = read_metadata(self.maps)
             except (GGUFFileError, OSError):
@@ -145,36 +152,36 @@ class RidgeFill:
                 origin[name] = "built-in"
         object.__setattr__(self, "tuned", dict(tuned) if tuned is not None else None)
         object.__setattr__(self, "origin", origin)
+        tuned_hint = lambda name: (f" (the map file's tuned value, {TUNED_PREFIX}{name})"  # noqa: E731
+                                   if origin[name] == "map file" else "")
         if isinstance(self.selector, str):
             if self.selector not in SELECTORS:
-                raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions")
+                raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions"
+                                 + tuned_hint("selector"))
         else:
             try:
-                pos = tuple(sorted({int(p) for p in self.selector}))
+                given = list(self.selector)
             except TypeError as e:
                 raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions") from e
-            if any(p < 0 for p in pos):
-                raise ValueError("selector positions must be >= 0")
+            pos = tuple(sorted({check_int("selector position", p, 0, INT32_MAX)
+                                for p in given}))
             object.__setattr__(self, "positions", pos)
             object.__setattr__(self, "selector", "positions")
         if self.maps is None and self.split is None:
             raise ValueError("identity fill needs a split: RidgeFill.identity(split=S)")
-        if self.split is not None and self.split < 1:
-            raise ValueError(f"split {self.split} must be >= 1")
-        if self.tail < 1:
-            raise ValueError(f"tail {self.tail}: at least the last prompt row must be exact (tail >= 1)")
-        if not (isinstance(self.exact_fraction, (int, float)) and 0.0 <= self.exact_fraction <= 1.0):
-            raise ValueError(f"exact_fraction {self.exact_fraction!r} outside [0, 1]")
-        if self.value_rescale < 0:
-            raise ValueError(f"value_rescale {self.value_rescale} must be >= 0 (0: off)")
-        if self.key_rescale < 0:
-            raise ValueError(f"key_rescale {self.key_rescale} must be >= 0 (0: off)")
-        if self.min_prompt < 0:
-            raise ValueError(f"min_prompt {self.min_prompt} must be >= 0")
-        if self.n_queries < 1:
-            raise ValueError(f"n_queries {self.n_queries} must be >= 1")
-        if self.fill_chunk < 0:
-            raise ValueError(f"fill_chunk {self.fill_chunk} must be >= 0")
+        if self.split is not None:
+            check_int("split", self.split, 1)
+        check_int("tail", self.tail, 1, hint=": the last prompt rows kept exact (at least the last prompt row must be exact)" + tuned_hint("tail"))
+        object.__setattr__(self, "exact_fraction",
+                           check_fraction("exact_fraction", self.exact_fraction, tuned_hint("exact_fraction")))
+        check_int("value_rescale", self.value_rescale, 0, hint="; 0 is off")
+        check_int("key_rescale", self.key_rescale, 0, hint="; 0 is off")
+        check_int("min_prompt", self.min_prompt, 0)
+        check_int("n_queries", self.n_queries, 1)
+        if self.selector_layer is not None:
+            check_int("selector_layer", self.selector_layer, 0,
+                      hint="; None is the last full-attention layer below the split")
+        check_int("fill_chunk", self.fill_chunk, 0, hint="; 0 is n_ubatch")
         protected_mask(self.protected)
         if not isinstance(self.protected, str):
             object.__setattr__(self, "protected", tuple(self.protected))
@@ -244,6 +251,10 @@ class Llama(llama_cpp.Llama):
             if rf.maps is not None:
                 self._rf_maps = NativeMaps(self._model.model, rf.maps, split=rf.split, host=rf.placement == "host",
                                            model_path=model_path)
+            if rf.state_correction == "gain" and not (self._rf_maps and self._rf_maps.has_state_gains):
+                # (libllama refuses it only where a late layer is recurrent; elsewhere it would be a no-op)
+                raise ValueError("the state correction 'gain' needs maps with state gains (ridgefill-gguf fit "
+                                 f"--state-gains); {rf.maps if rf.maps is not None else 'identity fill'} has none")
             rc = N.llama_ridgefill_attach(self._ctx.ctx, self._rf_maps.handle if self._rf_maps else None, rf.params())
             if rc != 0:
                 raise ValueError(f"RidgeFill: {_last_error()}")

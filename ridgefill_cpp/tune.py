@@ -219,6 +219,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     import ridgefill_cpp
 
     from .evaluate import EvalOptions, _nll, _Runner, build_documents, default_texts, text_sources
+    from ._limits import check_int
     from .fit import bos_prefix
     from .gguf_model import read_model_info
     from .mapfile import map_file_splits, write_tuned_defaults
@@ -234,8 +235,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         raise ValueError(f"selector {options.selector!r}: tune measures one of {', '.join(SELECTORS)}")
     if options.n_docs < 2:
         raise ValueError(f"n_docs {options.n_docs}: a confidence interval needs at least 2 documents")
-    if options.value_rescale < 0:
-        raise ValueError(f"value_rescale {options.value_rescale} must be >= 0 (0: off)")
+    check_int("value_rescale", options.value_rescale, 0, hint="; 0 is off")  # an int32 in the C parameters
     info = read_model_info(model)
     if info.context_length and options.length > info.context_length:
         raise ValueError(f"a {options.length}-token prompt is longer than the model's context ({info.context_length})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -763,3 +764,102 @@ def test_attention_plus_protected_selector(arch, tiny_models, oracles, prompt, m
         assert rel(last_logits(llm), ref.last_logits.numpy()) < TOL[arch]
     finally:
         llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# settings checked before the C boundary (int32, no truncation, no bools), the state correction
+# without gains, a map path that is not a regular file
+
+
+@pytest.fixture(scope="module")
+def synthetic_maps(tiny_models, tmp_path_factory):
+    """Synthetic maps with the tiny llama model's fingerprint (no fit: cheap)."""
+    from test_mapfile import _maps
+
+    from ridgefill_cpp.fingerprint import model_fingerprint
+
+    root = tmp_path_factory.mktemp("synthetic-maps")
+    m = _maps(n_embd=64, split=3, n_layer=6, fingerprint=model_fingerprint(tiny_models["llama"]))
+    return write_map_file(root / "tiny-llama.ridgefill.gguf", m, dtype="f32")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tail": 2**32 + 64}, r"tail 4294967360 must be <= 2147483647"),
+    ({"tail": 1.7}, r"tail 1\.7 must be an integer in 1\.\.2147483647"),
+    ({"tail": True}, r"tail True must be an integer"),
+    ({"selector": [5, 4294967301]}, r"selector position 4294967301 must be <= 2147483647"),
+    ({"selector": [2.5]}, r"selector position 2\.5 must be an integer"),
+    ({"selector": [-1]}, r"selector position -1 must be >= 0"),
+    ({"exact_fraction": True}, r"exact_fraction True must be a number in \[0, 1\]"),
+    ({"exact_fraction": float("nan")}, r"exact_fraction nan outside \[0, 1\]"),
+    ({"selector_layer": -5}, r"selector_layer -5 must be >= 0 .*None is the last full-attention layer"),
+    ({"value_rescale": 2**32}, r"value_rescale 4294967296 must be <= 2147483647"),
+    ({"key_rescale": 2**31}, r"key_rescale 2147483648 must be <= 2147483647"),
+    ({"min_prompt": 2**32 + 1}, r"min_prompt 4294967297 must be <= 2147483647"),
+    ({"n_queries": 2**32 + 64}, r"n_queries 4294967360 must be <= 2147483647"),
+    ({"fill_chunk": 1.5}, r"fill_chunk 1\.5 must be an integer"),
+    ({"split": 2**32 + 3}, r"split 4294967299 must be <= 2147483647"),
+])
+def test_settings_out_of_the_c_range_are_refused(synthetic_maps, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RidgeFill(synthetic_maps, **kwargs)
+
+
+def test_settings_at_the_edge_of_the_c_range_reach_it_unchanged(synthetic_maps):
+    rf = RidgeFill(synthetic_maps, tail=2**31 - 1, selector=[0, 2**31 - 1], min_prompt=2**31 - 1, selector_layer=2,
+                   exact_fraction=1)
+    p = rf.params()
+    assert (p.n_tail, p.min_prompt, p.sel_layer, p.exact_fraction) == (2**31 - 1, 2**31 - 1, 2, 1.0)
+    assert rf.positions == (0, 2**31 - 1)
+    assert RidgeFill(synthetic_maps, tail=np.int64(8), selector=np.array([3, 1])).positions == (1, 3)
+
+
+def test_a_tuned_tail_outside_int32_is_refused_naming_the_map_file(synthetic_maps, tmp_path):
+    import gguf
+
+    from ridgefill_cpp.mapfile import TUNED_PREFIX, rewrite_map_file
+
+    path = rewrite_map_file(synthetic_maps, tmp_path / "tuned.gguf", add_keys=[
+        (TUNED_PREFIX + "tail", 4294967295, gguf.GGUFValueType.UINT32),
+        (TUNED_PREFIX + "exact_fraction", 0.1, gguf.GGUFValueType.FLOAT64),
+        (TUNED_PREFIX + "selector", "none", gguf.GGUFValueType.STRING)])
+    with pytest.raises(ValueError, match=r"tail 4294967295 must be <= 2147483647 .*the map file's tuned value, "
+                                         r"ridgefill\.tuned\.tail"):
+        RidgeFill(path)
+    assert RidgeFill(path, tail=16).tail == 16  # an argument wins over the file's value
+
+
+def test_state_correction_gain_without_gains_is_refused(tiny_models, synthetic_maps):
+    """(libllama refuses it where a late layer is recurrent; a dense model's maps never have gains, and
+    there it was silently a no-op)."""
+    for rf, what in ((RidgeFill(synthetic_maps, state_correction="gain"), str(synthetic_maps)),
+                     (RidgeFill.identity(3, state_correction="gain"), "identity fill")):
+        with pytest.raises(ValueError, match=rf"the state correction 'gain' needs maps with state gains .*"
+                                             rf"--state-gains\); {what} has none"):
+            Llama(str(tiny_models["llama"]), ridgefill=rf, **ctx_kwargs())
+
+
+def test_a_map_path_that_is_not_a_regular_file_is_refused_before_it_is_opened(tiny_models, synthetic_maps, tmp_path):
+    """A FIFO would block the loader: refused by name at once (in a subprocess, so that a regression
+    fails on the timeout instead of hanging the suite)."""
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "maps.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(synthetic_maps)  # a symlink to a regular file is fine
+    code = ("import ridgefill_cpp\nfrom ridgefill_cpp import Llama, RidgeFill\n"
+            f"for make in (lambda: RidgeFill({str(fifo)!r}), lambda: RidgeFill(maps={str(fifo)!r}, tail=8),\n"
+            f"             lambda: Llama({str(tiny_models['llama'])!r}, n_ctx=256, verbose=False, ridgefill={str(fifo)!r}),\n"
+            f"             lambda: RidgeFill({str(tmp_path)!r})):\n"
+            "    try:\n        make()\n        print('accepted')\n"
+            "    except ValueError as e:\n        print(e)\n"
+            f"print(RidgeFill({str(link)!r}).split is None)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(ridgefill_cpp.__file__).resolve().parent.parent))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:3] == [f"{fifo}: the map file is a FIFO, not a regular file"] * 3, lines
+    assert lines[3:] == [f"{tmp_path}: the map file is a directory, not a regular file", "True"], lines
