@@ -169,12 +169,12 @@ def benchmark_prefill(
     the fill variants' quality against stock on the same prompts."""
     from .capture import open_model
     from .gguf_model import read_model_info
-    from .mapfile import read_map_file
+    from .mapfile import map_file_splits
     from .prefill import RidgeFill
 
     info = read_model_info(model)
     if maps is not None:
-        file_split = read_map_file(maps).meta.split_layer
+        (file_split,) = map_file_splits([maps], model)  # a map file fitted on this model (as eval, tune, serve)
         if split is not None and split != file_split:
             raise ValueError(f"--split {split}, but the maps were fitted for split {file_split}")
         split = file_split

@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ._limits import MAX_THREADS  # GGML_MAX_N_THREADS: llama.cpp takes no more threads
+
 app = typer.Typer(
     name="ridgefill-gguf",
     help="RidgeFill for llama.cpp GGUF models: inspect models and map files, run the demo.",
@@ -288,7 +290,7 @@ def fit(
     ctx: int = typer.Option(512, "--ctx", min=8, help="Rows per calibration window (each a fresh sequence)."),
     objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
     dtype: str = typer.Option("f16", "--dtype", help="Storage type of the A matrices: f16 or f32."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads for llama.cpp."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads for llama.cpp."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
     state_gains: Optional[bool] = typer.Option(
         None, "--state-gains/--no-state-gains",
@@ -465,7 +467,7 @@ def bench(
     first_layers: bool = typer.Option(False, "--first-layers", help="Also time the model cut to its first S layers: the physical ceiling of skipping late layers."),
     greedy_tokens: int = typer.Option(16, "--greedy-tokens", min=0, help="Greedy continuation length compared with stock's (0: none)."),
     repeats: int = typer.Option(3, "--repeats", "-r", min=1, help="Timed prefills per variant and length (median reported)."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (the same for every variant)."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (the same for every variant)."),
     n_batch: int = typer.Option(512, "--n-batch", min=1, help="llama.cpp batch (and ubatch) size."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing and quality figure to this JSON file."),
 ) -> None:
@@ -480,6 +482,8 @@ def bench(
     from .mapfile import MapFileError
 
     ns = _check_prefill_args(model, lengths, selector)
+    if json_out is not None:
+        _check_output_file(json_out)
     with Progress(TextColumn("timing prefill"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=err) as bar:
         task = bar.add_task("bench", total=None)
         try:
@@ -523,7 +527,9 @@ def bench(
             out.print(f"prompts shorter than --min-prompt {res.min_prompt} ran stock prefill in every variant "
                       "(their times show the overhead of an attached RidgeFill)", highlight=False)
     if json_out:
-        json_out.write_text(json.dumps(res.as_dict(), indent=2))
+        from .files import write_bytes
+
+        write_bytes(json_out, json.dumps(res.as_dict(), indent=2).encode())
         out.print(f"wrote {json_out}", highlight=False)
 
 
@@ -542,7 +548,7 @@ def eval_cmd(
     key_rescale: int = typer.Option(0, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
     quick: bool = typer.Option(False, "--quick", help="Smoke run: 1024-token prompts, 4 documents, 2 retrieval prompts per condition."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
 ) -> None:
     """Measure what filling costs in quality, against exact prefill of the same prompts: ΔNLL on all,
@@ -557,6 +563,7 @@ def eval_cmd(
     from .report import write_report
 
     ns = _check_prefill_args(model, lengths, selector)
+    _check_output_dir(out_dir, "--out")
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,
               splice=splice, n_threads=threads, key_rescale=key_rescale,
               selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()))
@@ -680,7 +687,7 @@ def demo(
     prompt: str = typer.Option("The three primary colours are", help="Prompt for the short generation run."),
     max_tokens: int = typer.Option(24, min=1, help="Tokens to generate."),
     long_tokens: int = typer.Option(3072, "--long-tokens", min=1100, help="Length of the long prompt prefilled stock and with RidgeFill."),
-    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads (default: llama.cpp's choice)."),
+    threads: Optional[int] = typer.Option(None, min=1, max=MAX_THREADS, help="CPU threads (default: llama.cpp's choice)."),
 ) -> None:
     """Run the main job on the default model: the native build and the model summary, a ridge-map fit
     on the default calibration text (kept in the cache directory), a long prompt prefilled stock and
@@ -821,7 +828,7 @@ def tune_cmd(
     docs: int = typer.Option(8, "--docs", min=2, help="Held-out documents (the CIs are bootstrapped over them)."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off), the same for every setting."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Held-out text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="CPU threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     strict: bool = typer.Option(False, "--strict", help="Feasible only when the 95 % CI's upper bound (not the point estimate) is within the budget."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure and choose, but write nothing into the map file."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write pareto.png, tune.json and tune.md into this directory."),
@@ -847,8 +854,8 @@ def tune_cmd(
 
     if selector not in TUNE_SELECTORS:
         _fail(f"--selector must be one of {', '.join(TUNE_SELECTORS)}, not {selector!r}")
-    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
-        _fail(f"--out {out_dir} exists and is not a directory")
+    if out_dir is not None:
+        _check_output_dir(out_dir, "--out")
     texts = _read_text_option(text)
     options = TuneOptions(tails=tuple(ts), fractions=tuple(fs), selector=selector, length=length, n_docs=docs,
                           value_rescale=value_rescale, n_threads=threads, strict=strict)

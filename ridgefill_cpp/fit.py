@@ -209,7 +209,13 @@ class _WindowCapture:
         from ._native import llama_ridgefill_capture_layer_input
         from .capture import open_model
 
-        self.llm = open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
+        try:
+            self.llm = open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
+        except ValueError as e:
+            if "llama_context" not in str(e):
+                raise
+            raise FitError(f"llama.cpp could not create a context of {ctx} rows for {model_path} (not enough "
+                           "memory for its KV cache and compute buffers?): use a smaller ctx") from None
         self.layers = list(layers)
         self.ctx = ctx
         self.bos = bos_prefix(self.llm)
@@ -333,6 +339,9 @@ def fit_ridge_maps_for_splits(
         raise FitError(f"objective {opt.objective!r}: expected one of {', '.join(OBJECTIVES)}")
     if opt.ctx <= opt.skip_rows + 1:
         raise FitError(f"ctx {opt.ctx} leaves no rows after skipping {opt.skip_rows} sink rows")
+    if info.context_length and opt.ctx > info.context_length:
+        raise FitError(f"ctx {opt.ctx} is longer than the model's training context ({info.context_length} tokens): "
+                       f"calibration windows must fit in it")
     md = read_metadata(model_path)
     eps = float(md.get(f"{info.architecture}.attention.layer_norm_rms_epsilon", 1e-6))
     normalize = opt.objective == "normalized"

@@ -232,6 +232,9 @@ class Llama(llama_cpp.Llama):
         self._rf_attached = False
         self.ridgefill_stats: dict[str, Any] = {}
         self._info = None  # the model's ModelInfo, read when RidgeFill needs it
+        for name in ("n_threads", "n_threads_batch"):  # more than ggml's thread arrays hold crashes llama.cpp
+            if kwargs.get(name) is not None:
+                check_int(name, kwargs[name], 1, MAX_THREADS, "; llama.cpp's GGML_MAX_N_THREADS is the most")
         if ridgefill is None:
             super().__init__(model_path, *args, **kwargs)
             return

@@ -152,3 +152,62 @@ def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
     for k in ("without", "with"):
         assert len(d["boundary_rel_error"]["4"][k]) == 2 and len(d["kl_last_row"][k]) == 2
     assert "boundary state" in run.stdout
+
+
+def test_bench_checks_the_maps_against_the_model_as_eval_does(cli, tiny_models, tmp_path, monkeypatch):
+    """Maps of another model (30 layers, like SmolLM2's) or another checkpoint: bench says the maps do
+    not fit, in eval's words, before it loads anything."""
+    from test_mapfile import _maps
+
+    from ridgefill_cpp import capture
+    from ridgefill_cpp.fingerprint import model_fingerprint
+    from ridgefill_cpp.mapfile import write_map_file
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(capture, "open_model", no_model)
+
+    tiny = tiny_models["llama"]
+    deeper = write_map_file(tmp_path / "other.gguf", _maps(n_embd=64, split=20, n_layer=30, fingerprint="sha256:x"))
+    checkpoint = write_map_file(tmp_path / "seed1.gguf", _maps(n_embd=64, split=3, n_layer=6, fingerprint="sha256:x"))
+    assert model_fingerprint(tiny) != "sha256:x"
+    for maps, problem in ((deeper, "layers: maps are for 30, the model has 6"), (checkpoint, "another checkpoint")):
+        texts = {}
+        for command in ("bench", "eval"):
+            r = cli(command, tiny, "--maps", maps, "--lengths", "256", "--out" if command == "eval" else "--repeats",
+                    tmp_path / "report" if command == "eval" else 1)
+            assert r.exit_code == 1, (command, r.output)
+            texts[command] = " ".join(r.output.split())
+        for text in texts.values():
+            assert f"{maps}: the maps do not fit {tiny}: " in text and problem in text, texts
+        assert "outside 1..5" not in texts["bench"]
+
+
+def test_output_paths_are_checked_before_any_work(cli, tiny_models, tmp_path, monkeypatch):
+    """bench --json, eval --out and tune --out are checked first: a path that cannot be written ends
+    the command at once with a clear error, not after the whole run."""
+    from ridgefill_cpp import bench, evaluate, tune
+
+    def no_work(*a, **k):
+        raise AssertionError("the work started")
+
+    for mod, name in ((bench, "benchmark_prefill"), (evaluate, "evaluate"), (tune, "tune")):
+        monkeypatch.setattr(mod, name, no_work)
+    tiny = tiny_models["llama"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    link = tmp_path / "link.json"
+    link.symlink_to(a_file)
+    maps = tmp_path / "m.gguf"
+    cases = [
+        (("bench", tiny, "--json", tmp_path / "no" / "such" / "x.json"), "is not a writable directory"),
+        (("bench", tiny, "--json", link), f"{link} is a symbolic link, not a regular file"),
+        (("eval", tiny, "--maps", maps, "--out", a_file / "report"), "is not a writable directory"),
+        (("eval", tiny, "--maps", maps, "--out", a_file), "exists and is not a directory"),
+        (("tune", tiny, "--maps", maps, "--budget", 0.1, "--out", a_file / "tuned"), "is not a writable directory"),
+    ]
+    for args, message in cases:
+        r = cli(*args)
+        assert r.exit_code == 1 and message in " ".join(r.output.split()), (args, r.output)
+    assert a_file.read_text() == "x" and link.is_symlink()

@@ -156,3 +156,50 @@ def test_several_splits_from_one_capture_pass_equal_separate_fits(tiny_models):
             np.testing.assert_array_equal(res.maps.b[il], alone.maps.b[il])
     with pytest.raises(FitError, match="distinct"):
         fit_ridge_maps_for_splits(path, [], [3, 3], opt)
+
+
+def test_fit_ctx_beyond_the_training_context_and_a_context_llama_cpp_cannot_create(cli, tiny_models, tmp_path,
+                                                                                    monkeypatch):
+    from ridgefill_cpp import capture
+
+    res = cli("fit", tiny_models["llama"], "--ctx", 1_000_000, "-o", tmp_path / "o.gguf")
+    assert res.exit_code == 1, res.output
+    assert "ctx 1000000 is longer than the model's training context (2048 tokens)" in " ".join(res.output.split())
+    assert "Traceback" not in res.output and not (tmp_path / "o.gguf").exists()
+
+    def no_context(*a, **k):
+        raise ValueError("Failed to create llama_context")  # what llama-cpp-python says when allocation fails
+
+    monkeypatch.setattr(capture, "open_model", no_context)
+    with pytest.raises(FitError, match="could not create a context of 2048 rows .* use a smaller ctx"):
+        fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"), FitOptions(ctx=2048))
+
+
+@pytest.mark.parametrize("command", ["fit", "bench", "eval", "tune", "demo"])
+def test_every_threads_option_is_bounded(cli, tiny_models, tmp_path, command):
+    """llama.cpp crashes with more threads than GGML_MAX_N_THREADS (512): every --threads says so first."""
+    args = {"fit": (tiny_models["llama"], "-o", tmp_path / "o.gguf"), "bench": (tiny_models["llama"],),
+            "eval": (tiny_models["llama"], "--maps", tmp_path / "m.gguf"),
+            "tune": (tiny_models["llama"], "--maps", tmp_path / "m.gguf", "--budget", 0.1),
+            "demo": ("--model", tiny_models["llama"])}[command]
+    for bad in (100_000, 513, 0):
+        res = cli(command, *args, "--threads", bad)
+        assert res.exit_code == 2, (command, bad, res.output)
+        assert "--threads" in res.output and "Traceback" not in res.output
+
+
+def test_llama_refuses_more_threads_than_llama_cpp_takes(tiny_models):
+    """The Python API too (in a subprocess: the crash it prevents would take pytest with it)."""
+    import os
+    import subprocess
+    import sys
+
+    import ridgefill_cpp
+
+    code = ("import ridgefill_cpp\n"
+            f"try:\n    ridgefill_cpp.Llama({str(tiny_models['llama'])!r}, n_threads=100000, verbose=False)\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(ridgefill_cpp.__file__).resolve().parent.parent))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "n_threads 100000 must be <= 512" in proc.stdout, proc.stdout
