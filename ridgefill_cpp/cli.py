@@ -603,7 +603,8 @@ def serve_cmd(
     model: Path = typer.Argument(..., help="The model GGUF to serve (never modified)."),
     server_args: Optional[list[str]] = typer.Argument(
         None, metavar="-- LLAMA-SERVER ARGS",
-        help="Any other llama-server argument, after --, passed unchanged (e.g. -- -np 4 -c 8192)."),
+        help="Any other llama-server argument, after --, passed unchanged (e.g. -- -np 4 -c 8192); an --api-key "
+             "among them reaches llama-server through its environment, not its command line."),
     maps: Optional[Path] = typer.Option(
         None, "--maps", "-m", help="Map file of `fit`: RidgeFill with ridge maps (the file's split; the tuned "
                                    "tail, fraction and selector of `tune` unless given). Checked against the model first."),
@@ -622,8 +623,13 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1", "--host", help="The one address to listen on (default: loopback only)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
     api_key: Optional[str] = typer.Option(
-        None, "--api-key", help="Require this key (Authorization: Bearer KEY) on the API endpoints; passed to "
-                                "llama-server as --api-key."),
+        None, "--api-key", help="Require this key (Authorization: Bearer KEY) on the API endpoints. llama-server "
+                                "gets it (and any --api-key after --) through its environment (LLAMA_API_KEY), never "
+                                "on its command line; this command's own command line still shows it to every user "
+                                "of the machine: prefer --api-key-file or LLAMA_API_KEY=KEY in the environment."),
+    api_key_file: Optional[Path] = typer.Option(
+        None, "--api-key-file", help="Require the keys in this file (one per line; lines starting with # are "
+                                     "comments), read by llama-server (--api-key-file)."),
     startup_timeout: float = typer.Option(
         600.0, "--startup-timeout", min=1.0, help="Seconds to wait for the model to load and /health to answer."),
 ) -> None:
@@ -653,7 +659,10 @@ def serve_cmd(
                 _fail(f"{', '.join('--' + k.replace('_', '-') for k in settings)}: RidgeFill settings need --maps "
                       "or --identity-split")
             rf = None
-        rc = serve(model, rf, host=host, port=port, api_key=api_key, extra_args=server_args or [],
+        extra = list(server_args or [])
+        if api_key_file is not None:
+            extra += ["--api-key-file", str(api_key_file)]
+        rc = serve(model, rf, host=host, port=port, api_key=api_key, extra_args=extra,
                    startup_timeout=startup_timeout, echo=lambda s: out.print(s, markup=False, highlight=False, soft_wrap=True))
     except (ValueError, ServerError) as e:
         _fail(str(e))

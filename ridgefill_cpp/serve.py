@@ -52,6 +52,10 @@ _MANAGED_FLAGS = {
 
 _LOOPBACK = "127.0.0.1"
 
+#: llama-server reads its --api-key from this environment variable (common/arg.cpp: set_env), so a
+#: key never has to be on its command line, which every user of the machine can read (ps, /proc)
+API_KEY_ENV = "LLAMA_API_KEY"
+
 
 class ServerError(RuntimeError):
     """llama-server could not be started (missing binary, exited during start-up, not healthy in time)."""
@@ -119,13 +123,60 @@ def check_ridgefill(model: str | os.PathLike, ridgefill: RidgeFill | str | os.Pa
     return rf
 
 
+def _split_api_keys(extra: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``extra`` without its ``--api-key K`` / ``--api-key=K`` arguments, and those keys."""
+    rest, keys = [], []
+    args = [str(a) for a in extra]
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--api-key":
+            if i + 1 >= len(args):
+                raise ValueError("--api-key needs a value")
+            keys.append(args[i + 1])
+            i += 2
+            continue
+        if a.startswith("--api-key="):
+            keys.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+        i += 1
+    if any(not k for k in keys):
+        raise ValueError("the API key is empty")
+    return rest, keys
+
+
+def check_api_key_file(path: str | os.PathLike) -> Path:
+    """A file of API keys for llama-server's ``--api-key-file`` (one per line, ``#`` comments), checked
+    the way llama-server reads it: a readable regular file holding at least one key."""
+    from .files import not_regular
+
+    p = Path(path)
+    what = not_regular(p, follow_symlinks=True)
+    if what is not None:
+        raise ValueError(f"API key file {p} is {what}, not a regular file")
+    try:
+        lines = p.read_text(errors="replace").splitlines()
+    except OSError as e:
+        raise ValueError(f"API key file {p}: {e.strerror or e}") from None
+    if not any(line and not line.startswith("#") for line in lines):
+        raise ValueError(f"API key file {p} holds no key (one per line; lines starting with # are comments)")
+    return p
+
+
 def _check_extra(extra: Sequence[str]) -> list[str]:
     extra = [str(a) for a in extra]
-    for a in extra:
+    for i, a in enumerate(extra):
         flag = a.split("=", 1)[0]
         if flag in _MANAGED_FLAGS:
             raise ValueError(f"{flag} is set by {_MANAGED_FLAGS[flag]} of serve, not among the extra llama-server "
                              "arguments")
+        if flag == "--api-key-file":
+            value = a.split("=", 1)[1] if "=" in a else (extra[i + 1] if i + 1 < len(extra) else None)
+            if value is None:
+                raise ValueError("--api-key-file needs a value")
+            check_api_key_file(value)
+    _split_api_keys(extra)  # checks
     return extra
 
 
@@ -141,7 +192,9 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
                 api_key: str | None = None) -> list[str]:
     """The command line of the patched llama-server: the binary, ``-m model --host H --port P``, the
     RidgeFill flags of the resolved settings (none when ``ridgefill`` is None: stock llama-server),
-    ``--api-key`` when given, then ``extra`` unchanged.
+    then ``extra`` unchanged, except that no API key is ever on it: ``api_key`` and any ``--api-key
+    K`` / ``--api-key=K`` of ``extra`` go to the server through its environment
+    (:func:`server_env`), since every user of the machine can read a command line.
 
     Resolved means every value is explicit: a map file's tuned defaults (``ridgefill-gguf tune``)
     and the built-in ones are written out, so the server runs exactly what ``RidgeFill`` says.
@@ -164,11 +217,24 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
                  "--ridgefill-selector", str(rf.selector),
                  "--ridgefill-min-prompt", str(int(rf.min_prompt))]
         # the patched server itself turns on --kv-unified and --swa-full when RidgeFill is on
-    if api_key is not None:
-        if not api_key:
-            raise ValueError("the API key is empty")
-        args += ["--api-key", api_key]
-    return args + _check_extra(extra)
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty")
+    return args + _split_api_keys(_check_extra(extra))[0]
+
+
+def server_env(api_key: str | None = None, extra: Sequence[str] = (),
+               environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the patched llama-server: ``environ`` (default: this process's), with the
+    API keys (``api_key``, the ``--api-key`` values among ``extra``, after any ``LLAMA_API_KEY``
+    already set) in ``LLAMA_API_KEY``, comma-separated as llama-server's ``--api-key`` takes them.
+    Only the owner of the process (and root) can read its environment."""
+    env = dict(os.environ if environ is None else environ)
+    keys = ([api_key] if api_key is not None else []) + _split_api_keys(extra)[1]
+    if any(not k for k in keys):
+        raise ValueError("the API key is empty")
+    if keys:
+        env[API_KEY_ENV] = ",".join(([env[API_KEY_ENV]] if env.get(API_KEY_ENV) else []) + keys)
+    return env
 
 
 def describe(rf: RidgeFill | None) -> str:
@@ -298,8 +364,10 @@ class Server:
     """The patched llama-server as a context manager.
 
     ``ridgefill``: None (stock llama-server), a :class:`RidgeFill`, or a map file path (its tuned
-    defaults). ``port=0`` picks a free port on ``host``. ``api_key`` is passed as ``--api-key``
-    (and used for the health check). ``extra_args`` go to llama-server unchanged. stdout and stderr
+    defaults). ``port=0`` picks a free port on ``host``. ``api_key`` is required on the API endpoints;
+    it reaches llama-server through its environment (``LLAMA_API_KEY``), never its command line, as
+    does an ``--api-key`` among ``extra_args`` (:func:`server_args`, :func:`server_env`). The other
+    ``extra_args`` go to llama-server unchanged (``--api-key-file FILE`` is checked first). stdout and stderr
     go to ``log_path`` (default: a new file in the temporary directory, kept after :meth:`stop`).
     The settings are checked when the object is made, before any process starts.
     """
@@ -356,7 +424,8 @@ class Server:
             with open(self._log_path, "ab") as log:
                 log.write(f"$ {' '.join(self.args)}\n".encode())
                 log.flush()
-                self.process = _popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+                self.process = _popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                      env=server_env(self.api_key, self.extra_args))
             try:
                 self._wait_healthy()
                 return self
@@ -437,7 +506,7 @@ def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | N
             old[s] = signal.signal(s, forward)
     proc = None
     try:
-        proc = state["proc"] = _popen(args)
+        proc = state["proc"] = _popen(args, env=server_env(api_key, extra_args))
         if stop_sig:  # a signal between the handlers and the start
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + startup_timeout

@@ -193,15 +193,46 @@ def test_server_args_stock_identity_and_maps(tiny_models, maps):
     assert server_args(tiny, RidgeFill.identity(3), "127.0.0.1", 8081, ["-np", "4"]) == head + [
         "--ridgefill-split", "3", "--ridgefill-tail", "64", "--ridgefill-exact-fraction", "0.1",
         "--ridgefill-selector", "attention", "--ridgefill-min-prompt", "1024", "-np", "4"]
-    # maps with explicit settings (no split flag: the file's); the API key before the extra arguments
+    # maps with explicit settings (no split flag: the file's); no API key on the command line
     rf = RidgeFill(maps, tail=32, exact_fraction=0.05, selector="attention+protected", min_prompt=0)
-    assert server_args(tiny, rf, "127.0.0.1", 8081, ["--metrics"], api_key="k") == head + [
+    assert server_args(tiny, rf, "127.0.0.1", 8081, ["--metrics", "--api-key", "k2", "--api-key=k3"], api_key="k") == head + [
         "--ridgefill-maps", str(maps), "--ridgefill-tail", "32", "--ridgefill-exact-fraction", "0.05",
-        "--ridgefill-selector", "attention+protected", "--ridgefill-min-prompt", "0", "--api-key", "k", "--metrics"]
+        "--ridgefill-selector", "attention+protected", "--ridgefill-min-prompt", "0", "--metrics"]
     # a map file path alone: RidgeFill(path)'s settings (no tuned values here: built-in)
     assert server_args(tiny, maps, "127.0.0.1", 8081) == head + [
         "--ridgefill-maps", str(maps), "--ridgefill-tail", "64", "--ridgefill-exact-fraction", "0.1",
         "--ridgefill-selector", "attention", "--ridgefill-min-prompt", "1024"]
+
+
+def test_api_keys_go_to_the_environment_never_the_command_line(tmp_path):
+    """llama-server reads --api-key from LLAMA_API_KEY: serve's key and any --api-key after -- go there
+    (after a key the environment already holds), comma-separated as --api-key takes several."""
+    from ridgefill_cpp.serve import API_KEY_ENV, server_env
+
+    assert API_KEY_ENV == "LLAMA_API_KEY"
+    base = {"PATH": "/bin"}
+    assert server_env(None, ["-np", "2"], base) == base
+    assert server_env("k", ["-np", "2", "--api-key", "k2", "--api-key=k3"], base) == dict(base, LLAMA_API_KEY="k,k2,k3")
+    assert server_env(None, ["--api-key=k3"], dict(base, LLAMA_API_KEY="k0")) == dict(base, LLAMA_API_KEY="k0,k3")
+    assert server_env("k", [], dict(base, LLAMA_API_KEY="k0"))["LLAMA_API_KEY"] == "k0,k"
+    for extra, api_key, message in ((["--api-key"], None, "--api-key needs a value"),
+                                    (["--api-key="], None, "the API key is empty"), ([], "", "the API key is empty")):
+        with pytest.raises(ValueError, match=message):
+            server_env(api_key, extra, base)
+    # a key file for llama-server's --api-key-file: checked the way llama-server reads it
+    from ridgefill_cpp.serve import check_api_key_file
+
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nk1\n")
+    assert check_api_key_file(keys) == keys
+    keys.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        check_api_key_file(keys)
+    with pytest.raises(ValueError, match="No such file"):
+        check_api_key_file(tmp_path / "missing")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="is a FIFO, not a regular file"):
+        check_api_key_file(tmp_path / "fifo")
 
 
 def test_server_args_use_the_tuned_defaults_and_arguments_win(tiny_models, tuned_maps):
@@ -294,8 +325,11 @@ def test_starts_on_a_free_loopback_port_and_is_healthy(srv):
     assert _http("GET", srv.url + "/health") == (200, {"status": "ok"})
     # it listens on the loopback address and port it was given, nothing else
     assert _listening(srv.process.pid) == {("127.0.0.1", srv.port)}
-    # the command line: the installed patched binary, stock flags (no RidgeFill), the extra arguments last
+    # the command line: the installed patched binary, stock flags (no RidgeFill), the extra arguments last;
+    # the API key only in the environment (readable by this user), not on the command line nor in the log
     assert _cmdline(srv.process.pid) == srv.args and srv.args[0] == str(server_binary())
+    assert not any(KEY in a for a in srv.args) and KEY not in srv.log_path.read_text()
+    assert f"LLAMA_API_KEY={KEY}".encode() in Path(f"/proc/{srv.process.pid}/environ").read_bytes().split(b"\0")
     assert srv.args[-len(TINY_ARGS):] == TINY_ARGS and not any(a.startswith("--ridgefill") for a in srv.args)
     assert "listening on http://127.0.0.1:" in srv.log_path.read_text()
 
@@ -459,14 +493,23 @@ def _end(proc: subprocess.Popen) -> None:
 def test_cli_serves_prints_the_url_and_stops_on_a_signal(sig, tiny_models, tmp_path):
     out = tmp_path / "cli.out"
     extra = ["-np", "2", "-c", "1024", "--threads", "1", "-ngl", "0"]
-    proc = _start_cli([tiny_models["llama"], "--port", "0", "--api-key", KEY, "--", *extra], out)
+    key2, key3 = "second-key-4567", "file-key-89ab"
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# the third key\n{key3}\n")
+    proc = _start_cli([tiny_models["llama"], "--port", "0", "--api-key", KEY, "--api-key-file", keys, "--",
+                       "--api-key", key2, *extra], out)
     try:
         url = _wait_for(proc, out, r"OpenAI base URL: (http://127\.0\.0\.1:\d+)/v1").group(1)
         assert f"llama-server is ready: {url}" in out.read_text()
         assert "RidgeFill off: stock llama-server prefill" in out.read_text()
         server = _server_child(proc.pid)
-        # everything after -- reached llama-server unchanged, after serve's own flags
-        assert _cmdline(server)[-len(extra) - 2:] == ["--api-key", KEY, *extra]
+        # everything after -- reached llama-server unchanged, after serve's own flags, except the API key:
+        # no key on its command line (what `ps` shows every user), each of the three accepted
+        assert _cmdline(server)[-len(extra) - 2:] == [*extra, "--api-key-file", str(keys)]
+        assert not any(k in a for a in _cmdline(server) for k in (KEY, key2, key3))
+        assert _http("GET", url + "/v1/models")[0] == 401
+        assert _http("GET", url + "/v1/models", key="wrong")[0] == 401
+        assert [_http("GET", url + "/v1/models", key=k)[0] for k in (KEY, key2, key3)] == [200, 200, 200]
         assert _listening(server) == {("127.0.0.1", int(url.rsplit(":", 1)[1]))}
         status, props = _http("GET", url + "/props", key=KEY)
         assert status == 200 and props["total_slots"] == 2
@@ -513,7 +556,7 @@ def test_cli_help_lists_every_option(cli):
     assert r.exit_code == 0
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", r.output).split())
     for opt in ("--maps", "-m", "--identity-split", "--tail", "--exact-fraction", "--selector", "--min-prompt",
-                "--host", "--port", "--api-key", "--startup-timeout", "LLAMA-SERVER ARGS"):
+                "--host", "--port", "--api-key", "--api-key-file", "--startup-timeout", "LLAMA-SERVER ARGS"):
         assert opt in text, opt
     for words in ("patched llama.cpp llama-server", "not a Python re-implementation", '"ridgefill" JSON field',
                   "false (exact prefill for this request)", '{"tail", "exact_fraction", "selector"}',
@@ -538,6 +581,10 @@ def test_cli_argument_errors_start_nothing(cli, tiny_models, maps, tmp_path, mon
         ((tiny, "--identity-split", 9), r"split 9 outside 1..5"),
         ((tiny, "--", "-np", "2", "--port", "9000"), "--port is set by the port option of serve"),
         ((tiny, "--host", "0.0.0.0,::"), "one IP address"),
+        ((tiny, "--api-key-file", tmp_path / "no-keys.txt"), "no-keys.txt: No such file or directory"),
+        ((tiny, "--", "--api-key-file", tmp_path), "is a directory, not a regular file"),
+        ((tiny, "--", "-np", "2", "--api-key"), "--api-key needs a value"),
+        ((tiny, "--api-key", ""), "the API key is empty"),
     ]
     for args, message in cases:
         r = cli("serve", *args)
