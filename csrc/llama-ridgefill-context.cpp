@@ -1,5 +1,5 @@
 // RidgeFill attached to a llama_context: the C API of filled-row prefill, the plan of a prompt, the
-// early-phase bookkeeping and the late phase (DESIGN §4-§6).
+// early-phase bookkeeping and the late phase (docs/method.md §4-§6).
 
 #include "llama-ridgefill-context.h"
 #include "llama-ridgefill-maps.h"
@@ -444,7 +444,7 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
         }
     }
 
-    // logits: tail rows brought by the call that ends the prompt get them (DESIGN §4.5), others NaN
+    // logits: tail rows brought by the call that ends the prompt get them (docs/method.md §4.5), others NaN
     for (int32_t i = 0; i < batch.n_tokens && n_plan > 0; ++i) {
         if (!batch.logits[i]) {
             continue;
@@ -921,7 +921,7 @@ int llama_ridgefill_context::finish(llama_context & lctx) {
     boundary_states.clear();
 
     if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && !p.exact_set) {
-        // probe pass (DESIGN §5): every prefix row filled (with the value and key scales of this
+        // probe pass (docs/method.md §5): every prefix row filled (with the value and key scales of this
         // pass), the tail runs the late layers against the filled cache and its last rows score the
         // prefix at every full-attention late layer; the selected rows then run the late layers
         // exactly, with the tail again (it attends to them), over the cells the probe filled
@@ -1376,7 +1376,7 @@ int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, l
     const int32_t N = pos_end - pos0;
     const auto & p = rf->params;
     if (p.split_layer >= rf->n_layer || N <= p.n_tail || N < p.min_prompt) {
-        return 0; // degenerate: stock prefill (DESIGN §4.6)
+        return 0; // degenerate: stock prefill (docs/method.md §4.6)
     }
 
     // a layer-input capture needs every layer of every row in the graph; a planned prompt's graphs

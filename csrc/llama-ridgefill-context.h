@@ -1,5 +1,5 @@
 // RidgeFill attached to a llama_context: parameters, the per-row scratch buffers, the plan of the
-// prompt being prefilled, and the late phase (DESIGN §4, §6; llama-ridgefill-graph.h).
+// prompt being prefilled, and the late phase (docs/method.md §4, §6; llama-ridgefill-graph.h).
 #pragma once
 
 #include "llama-ridgefill.h"
@@ -74,7 +74,7 @@ struct llama_ridgefill_context {
     std::string run_late(llama_context & lctx, const llama_ridgefill_plan & p, const std::vector<int32_t> & X,
             const std::vector<int64_t> & cells, const std::vector<int64_t> & cells_swa, bool fill, int32_t n_query, bool logits);
 
-    // the selector seam (DESIGN §5): the exact prefix rows of a plan whose rows are all decoded,
+    // the selector seam (docs/method.md §5): the exact prefix rows of a plan whose rows are all decoded,
     // ascending; cells: the cell of each planned row in the full-attention cache. The attention
     // selector's scores accumulate in the early phase (llama_ridgefill_build_attn at sel_layer), the
     // probe's in the probe pass of finish(); the protected selector reads the rows' tokens

@@ -15,7 +15,7 @@ import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 
-#: architectures RidgeFill implements (DESIGN §6); anything else is refused with this list
+#: architectures RidgeFill implements (docs/method.md §6); anything else is refused with this list
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
 #: what libllama's filled-row prefill supports (csrc/llama-ridgefill-context.cpp refuses the rest)
 PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
@@ -248,7 +248,7 @@ class ModelInfo:
 
     @property
     def default_split(self) -> int:
-        """S = L - floor(L/3) (DESIGN §8)."""
+        """S = L - floor(L/3) (docs/method.md §8)."""
         return self.n_layer - self.n_layer // 3
 
     def as_dict(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ``Llama`` is llama-cpp-python's ``Llama`` with one more keyword, ``ridgefill``. With
 ``ridgefill=None`` (the default) it *is* llama-cpp-python's class, untouched. Otherwise every prompt
-of at least ``min_prompt`` new rows is prefilled by libllama's RidgeFill path (DESIGN §4-§6): the
+of at least ``min_prompt`` new rows is prefilled by libllama's RidgeFill path (docs/method.md §4-§6): the
 early layers run on every row in the ordinary decode calls, the late layers run on the exact rows
 only, the filled rows' K/V come from the ridge maps. Everything else (completion, chat, streaming,
 ``generate``, ``eval``, prefix reuse, ``reset``, ``save_state`` / ``load_state``) is unchanged:
@@ -28,7 +28,7 @@ from ._limits import INT32_MAX, MAX_THREADS, check_fraction, check_int
 from .gguf_model import read_model_info
 from .native_maps import NativeMaps
 
-#: selectors by name (DESIGN §5); a sequence of positions is the explicit selector
+#: selectors by name (docs/method.md §5); a sequence of positions is the explicit selector
 SELECTORS = {
     "attention": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION,
     "probe": N.LLAMA_RIDGEFILL_SELECTOR_PROBE,
@@ -68,7 +68,7 @@ def protected_mask(classes: str | Sequence[str]) -> int:
 
 @dataclass(frozen=True)
 class RidgeFill:
-    """How to prefill long prompts (DESIGN §4-§5).
+    """How to prefill long prompts (docs/method.md §4-§5).
 
     ``maps``: the map file written by ``ridgefill-gguf fit`` (None: identity fill, x̂ = x_S, which
     needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
@@ -413,7 +413,7 @@ class Llama(llama_cpp.Llama):
         return st if st.size else None
 
     def ridgefill_splice_state(self, layer: int | None, state=None) -> None:
-        """The splice test for recurrent state (DESIGN §9): in the next RidgeFill prefills, late
+        """The splice test for recurrent state (docs/method.md §9): in the next RidgeFill prefills, late
         recurrent ``layer``'s tail rows start from ``state`` (the layout of :meth:`read_state`, e.g.
         read after an exact prefill of the prompt's prefix) instead of the state its filled rows left.
         ``layer`` None: no layer is spliced any more."""
