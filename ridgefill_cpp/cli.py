@@ -452,15 +452,39 @@ def _check_prefill_args(model: Path, lengths: str, selector: str) -> list[int]:
     return ns
 
 
+def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: Optional[float],
+                     selector: Optional[str]) -> tuple[int, float, str]:
+    """T, exact fraction and selector for bench and eval, resolved as ``RidgeFill`` and ``serve``
+    resolve them: the option when given, else the map file's tuned value (``ridgefill-gguf tune``),
+    else the built-in default. Says on stderr which came from the map file."""
+    from .mapfile import MapFileError, read_tuned_defaults
+
+    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector}
+    tuned = {}
+    if maps is not None and None in given.values():
+        try:
+            tuned = read_tuned_defaults(maps) or {}
+        except (MapFileError, OSError, ValueError):
+            tuned = {}  # the map file's own check reports what is wrong with it
+    from .prefill import RidgeFill
+
+    out_ = {k: v if v is not None else tuned.get(k, RidgeFill.BUILTIN_DEFAULTS[k]) for k, v in given.items()}
+    from_file = [f"{k} {out_[k]:g}" if k == "exact_fraction" else f"{k} {out_[k]}"
+                 for k, v in given.items() if v is None and k in tuned]
+    if from_file:
+        err.print(f"the map file's tuned defaults: {', '.join(from_file)} (give the option to override)", highlight=False)
+    return int(out_["tail"]), float(out_["exact_fraction"]), str(out_["selector"])
+
+
 @app.command("bench")
 def bench(
     model: Path = typer.Argument(..., help="The model GGUF to time (never modified)."),
     maps: Optional[Path] = typer.Option(None, "--maps", "-m", help="Map file of `fit`: times RidgeFill with ridge maps (its split is used)."),
     lengths: str = typer.Option("2048,4096", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
     split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S without maps (default L - floor(L/3); with maps: the file's)."),
-    tail: int = typer.Option(64, "--tail", min=1, help="T: the last prompt rows, always exact."),
-    exact_fraction: float = typer.Option(0.10, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector: attention, attention+protected (protected rows, then attention), probe (late-layer attention of the tail, one extra pass), protected[:sink+digits+rare+line_start] (row classes) or none."),
+    tail: Optional[int] = typer.Option(None, "--tail", min=1, help="T: the last prompt rows, always exact (default: the map file's tuned value, else 64)."),
+    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact (default: the map file's tuned value, else 0.1)."),
+    selector: Optional[str] = typer.Option(None, "--selector", help="Exact-row selector: attention, attention+protected (protected rows, then attention), probe (late-layer attention of the tail, one extra pass), protected[:sink+digits+rare+line_start] (row classes) or none (default: the map file's tuned value, else attention)."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
     min_prompt: int = typer.Option(1024, "--min-prompt", min=0, help="Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill)."),
     identity: bool = typer.Option(True, "--identity/--no-identity", help="Also time identity fill at the same settings."),
@@ -481,6 +505,7 @@ def bench(
     from .bench import RIDGEFILL, STOCK, benchmark_prefill
     from .mapfile import MapFileError
 
+    tail, exact_fraction, selector = _operating_point(maps, tail, exact_fraction, selector)
     ns = _check_prefill_args(model, lengths, selector)
     if json_out is not None:
         _check_output_file(json_out)
@@ -539,9 +564,9 @@ def eval_cmd(
     maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     lengths: str = typer.Option("2048", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
-    tail: int = typer.Option(64, "--tail", min=1, help="T: the last prompt rows, exact; their next-token losses are scored."),
-    exact_fraction: float = typer.Option(0.10, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of the fill variants: attention, attention+protected, probe, protected (optionally :CLASS+CLASS of sink, digits, rare, line_start) or none."),
+    tail: Optional[int] = typer.Option(None, "--tail", min=1, help="T: the last prompt rows, exact; their next-token losses are scored (default: the first map file's tuned value, else 64)."),
+    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact (default: the first map file's tuned value, else 0.1)."),
+    selector: Optional[str] = typer.Option(None, "--selector", help="Exact-row selector of the fill variants: attention, attention+protected, probe, protected (optionally :CLASS+CLASS of sink, digits, rare, line_start) or none (default: the first map file's tuned value, else attention)."),
     selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,protected:rare); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
     value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help="Documents per length (default 12; --quick: 4)."),
@@ -562,6 +587,7 @@ def eval_cmd(
     from .mapfile import MapFileError
     from .report import write_report
 
+    tail, exact_fraction, selector = _operating_point(maps[0] if maps else None, tail, exact_fraction, selector)
     ns = _check_prefill_args(model, lengths, selector)
     _check_output_dir(out_dir, "--out")
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,

@@ -211,3 +211,54 @@ def test_output_paths_are_checked_before_any_work(cli, tiny_models, tmp_path, mo
         r = cli(*args)
         assert r.exit_code == 1 and message in " ".join(r.output.split()), (args, r.output)
     assert a_file.read_text() == "x" and link.is_symlink()
+
+
+def test_bench_and_eval_use_the_map_files_tuned_defaults_as_serve_and_llama_do(cli, tiny_models, tmp_path, monkeypatch):
+    """T, exact fraction and selector left unset come from the map file's tuned defaults (then the
+    built-in ones), as in ``RidgeFill(path)`` and ``serve``; an option always wins. (bench and eval
+    used the built-in 64 / 0.1 / attention whatever the file said.)"""
+    from test_mapfile import _maps
+
+    from ridgefill_cpp import bench, evaluate
+    from ridgefill_cpp.fingerprint import model_fingerprint
+    from ridgefill_cpp.mapfile import write_map_file, write_tuned_defaults
+    from ridgefill_cpp.prefill import RidgeFill
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def capture_bench(model, **kw):
+        seen["bench"] = (kw["tail"], kw["exact_fraction"], kw["selector"])
+        raise Stop
+
+    def capture_eval(model, maps, options, **kw):
+        seen["eval"] = (options.tail, options.exact_fraction, options.selector)
+        raise Stop
+
+    monkeypatch.setattr(bench, "benchmark_prefill", capture_bench)
+    monkeypatch.setattr(evaluate, "evaluate", capture_eval)
+    tiny = tiny_models["llama"]
+    plain = write_map_file(tmp_path / "plain.gguf", _maps(n_embd=64, split=3, n_layer=6, fingerprint=model_fingerprint(tiny)))
+    tuned = tmp_path / "tuned.gguf"
+    tuned.write_bytes(plain.read_bytes())
+    write_tuned_defaults(tuned, {"tail": 12, "exact_fraction": 0.25, "selector": "none", "budget": 0.02})
+    library = RidgeFill(tuned)
+    assert (library.tail, library.exact_fraction, library.selector) == (12, 0.25, "none")
+
+    def run(command, maps, *opts):
+        extra = ("--out", tmp_path / "r") if command == "eval" else ("--repeats", 1)
+        seen.pop(command, None)
+        r = cli(command, tiny, "--maps", maps, "--lengths", "256", *extra, *opts)
+        assert isinstance(r.exception, Stop), r.output
+        return seen[command], " ".join(r.output.split())
+
+    for command in ("bench", "eval"):
+        got, text = run(command, tuned)
+        assert got == (12, 0.25, "none"), command
+        assert "the map file's tuned defaults: tail 12, exact_fraction 0.25, selector none" in text, text
+        got, _ = run(command, tuned, "--tail", 32, "--selector", "probe")
+        assert got == (32, 0.25, "probe"), command
+        got, text = run(command, plain)
+        assert got == (64, 0.10, "attention") and "tuned defaults" not in text, command
