@@ -20,8 +20,8 @@ The decay parameters are drawn so that the recurrence neither forgets at once no
 per-step decay ``exp(softplus(alpha + dt_bias) * ssm_a)`` lies roughly in 0.6..0.999 with a
 spread over heads, so state from tens of tokens back still matters.
 
-The general keys and the tokenizer come from ``make_tiny_models.new_writer``; the file is written
-atomically by ``make_tiny_models.write_and_close``.
+The general keys and the tokenizer come from ``tiny_gguf.new_writer``; the file is written
+atomically by ``tiny_gguf.write_and_close``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
+
+_HERE = str(pathlib.Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # the sibling modules of tools/, also when this file is loaded by path
+    sys.path.insert(0, _HERE)
+
+from tiny_gguf import WeightFactory, new_writer, tokenizer_vocab, write_and_close  # noqa: E402
 
 ARCH = "qwen35"
 
@@ -88,20 +94,8 @@ class Qwen35TinyConfig:
         return (il + 1) % self.full_attention_interval != 0
 
 
-def _mtm():
-    """The sibling ``make_tiny_models`` module (tools/ is put on sys.path if needed)."""
-    here = str(pathlib.Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import make_tiny_models  # noqa: PLC0415
-
-    return make_tiny_models
-
-
 def qwen35_config(**overrides: Any) -> Qwen35TinyConfig:
     """The default :class:`Qwen35TinyConfig` with `overrides` applied (validated)."""
-    mtm = _mtm()
-
     known = {f.name for f in fields(Qwen35TinyConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -111,7 +105,7 @@ def qwen35_config(**overrides: Any) -> Qwen35TinyConfig:
     if "rope_sections" in overrides:
         overrides["rope_sections"] = tuple(int(x) for x in overrides["rope_sections"])
     cfg = replace(Qwen35TinyConfig(), **overrides)
-    n_tok = len(mtm.tokenizer_vocab()[0])
+    n_tok = len(tokenizer_vocab()[0])
     if cfg.n_vocab == 0:
         cfg = replace(cfg, n_vocab=n_tok)
     if cfg.n_vocab < n_tok:
@@ -161,7 +155,7 @@ def add_qwen35_keys(writer, cfg: Qwen35TinyConfig) -> None:
 
 
 def _add_qwen35_tensors(writer, cfg: Qwen35TinyConfig, seed: int) -> None:
-    wf = _mtm().WeightFactory(seed, cfg.dtype)
+    wf = WeightFactory(seed, cfg.dtype)
     rng = wf.rng
     d, hd = cfg.n_embd, cfg.head_dim
 
@@ -208,13 +202,12 @@ def build_qwen35(path: os.PathLike[str] | str, seed: int = 0, **overrides: Any) 
     ``full_attention_interval=2``, ``rope_sections=(1, 1, 1, 1)``, ``dtype="f16"``.
     The same (seed, overrides) always gives byte-identical files.
     """
-    mtm = _mtm()
     cfg = qwen35_config(**overrides)
-    writer = mtm.new_writer(path, ARCH)
+    writer = new_writer(path, ARCH)
     add_qwen35_keys(writer, cfg)
     writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
     _add_qwen35_tensors(writer, cfg, seed)
-    return mtm.write_and_close(writer, path)
+    return write_and_close(writer, path)
 
 
 if __name__ == "__main__":
