@@ -203,6 +203,16 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
     maps.normalized  = input_norm == "rms";
     maps.norm_eps    = meta.f32("ridgefill.input_norm_eps");
     maps.fingerprint = meta.str("ridgefill.model.fingerprint");
+    // before any tensor data is read: maps of another checkpoint are refused at once
+    if (params.model_path != nullptr) {
+        const std::string fp = llama_ridgefill_model_fingerprint_file(params.model_path);
+        if (fp != maps.fingerprint) {
+            throw std::runtime_error(format("%s: the maps were fitted on model %s, %s is %s (another checkpoint): "
+                    "fit maps for this model", path, maps.fingerprint.c_str(), params.model_path, fp.c_str()));
+        }
+    } else {
+        LLAMA_LOG_WARN("%s: %s: no model path given, the maps' model fingerprint is not checked\n", __func__, path);
+    }
 
     const std::vector<int32_t> layers = meta.i32_array("ridgefill.layers");
     std::vector<int32_t> expected;
@@ -347,15 +357,6 @@ struct llama_ridgefill_maps * llama_ridgefill_maps_init(const struct llama_model
     auto maps = std::make_unique<llama_ridgefill_maps>(*model);
     try {
         llama_ridgefill_maps_load(*maps, path, params);
-        if (params.model_path != nullptr) {
-            const std::string fp = llama_ridgefill_model_fingerprint_file(params.model_path);
-            if (fp != maps->fingerprint) {
-                throw std::runtime_error(format("%s: the maps were fitted on model %s, %s is %s (another checkpoint): "
-                        "fit maps for this model", path, maps->fingerprint.c_str(), params.model_path, fp.c_str()));
-            }
-        } else {
-            LLAMA_LOG_WARN("%s: %s: no model path given, the maps' model fingerprint is not checked\n", __func__, path);
-        }
     } catch (const std::exception & e) {
         llama_ridgefill_set_error(__func__, e.what());
         return nullptr;
