@@ -454,26 +454,27 @@ def _check_prefill_args(model: Path, lengths: str, selector: str) -> list[int]:
 
 def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: Optional[float],
                      selector: Optional[str]) -> tuple[int, float, str]:
-    """T, exact fraction and selector for bench and eval, resolved as ``RidgeFill`` and ``serve``
-    resolve them: the option when given, else the map file's tuned value (``ridgefill-gguf tune``),
-    else the built-in default. Says on stderr which came from the map file."""
-    from .mapfile import MapFileError, read_tuned_defaults
-
-    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector}
-    tuned = {}
-    if maps is not None and None in given.values():
-        try:
-            tuned = read_tuned_defaults(maps) or {}
-        except (MapFileError, OSError, ValueError):
-            tuned = {}  # the map file's own check reports what is wrong with it
+    """T, exact fraction and selector for bench and eval, resolved by ``RidgeFill`` as for the
+    library and ``serve``: the option when given, else the map file's tuned value (``ridgefill-gguf
+    tune``), else the built-in default. Says on stderr which came from the map file."""
+    from .mapfile import MapFileError
     from .prefill import RidgeFill
 
-    out_ = {k: v if v is not None else tuned.get(k, RidgeFill.BUILTIN_DEFAULTS[k]) for k, v in given.items()}
-    from_file = [f"{k} {out_[k]:g}" if k == "exact_fraction" else f"{k} {out_[k]}"
-                 for k, v in given.items() if v is None and k in tuned]
+    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector}
+    resolved, origin = dict(RidgeFill.BUILTIN_DEFAULTS), {}
+    if maps is not None and None in given.values():
+        try:
+            rf = RidgeFill(maps)
+        except (MapFileError, ValueError) as e:
+            _fail(str(e))
+        resolved = {k: getattr(rf, k) for k in given}
+        origin = rf.origin
+    value = {k: v if v is not None else resolved[k] for k, v in given.items()}
+    from_file = [f"{k} {value[k]:g}" if k == "exact_fraction" else f"{k} {value[k]}"
+                 for k, v in given.items() if v is None and origin.get(k) == "map file"]
     if from_file:
         err.print(f"the map file's tuned defaults: {', '.join(from_file)} (give the option to override)", highlight=False)
-    return int(out_["tail"]), float(out_["exact_fraction"]), str(out_["selector"])
+    return int(value["tail"]), float(value["exact_fraction"]), str(value["selector"])
 
 
 @app.command("bench")
