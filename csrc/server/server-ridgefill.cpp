@@ -2,6 +2,7 @@
 
 #include "server-ridgefill.h"
 
+#include "ggml.h"
 #include "log.h"
 
 #include <cmath>
@@ -108,6 +109,30 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
                 "only false is accepted");
     }
     return req;
+}
+
+int32_t server_ridgefill_stock_n_ctx(int32_t n_ctx, int32_t n_parallel) {
+    // llama_context's rounding of a cache split over n_parallel sequences (src/llama-context.cpp)
+    const int32_t n_seq = GGML_PAD(GGML_PAD(n_ctx, 256) / n_parallel, 256);
+    return n_seq * n_parallel;
+}
+
+server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
+        const std::vector<server_ridgefill_slot_cells> & others) {
+    int64_t n_busy   = 0;
+    int64_t n_cached = 0;
+    for (const auto & o : others) {
+        if (o.running) {
+            n_busy += o.n_rows + o.n_rest;
+        } else {
+            n_cached += o.n_rows;
+        }
+    }
+    if (n_busy > 0 && n_busy + n_need > n_ctx) {
+        return SERVER_RIDGEFILL_WAIT;
+    }
+    // alone, a prompt too long for the cache is refused by the server's own checks
+    return n_busy + n_cached + n_need > n_ctx ? SERVER_RIDGEFILL_ADMIT_AFTER_PURGE : SERVER_RIDGEFILL_ADMIT;
 }
 
 server_ridgefill::~server_ridgefill() {

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // the "ridgefill" field of one request
 struct server_ridgefill_request {
@@ -45,6 +46,29 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
 
 // whether the server's command line asks for RidgeFill
 bool server_ridgefill_configured(const common_params_ridgefill & params);
+
+// The KV cache of several slots. RidgeFill runs on one unified KV stream. Without --kv-unified
+// from the user, each slot keeps the cells it has on a stock server: the total n_ctx below, then
+// n_ctx / n_parallel per slot (--kv-unified-per-slot).
+int32_t server_ridgefill_stock_n_ctx(int32_t n_ctx, int32_t n_parallel);
+
+// With --kv-unified from the user, the slots share all cells, and a prompt starts only when its
+// rows fit next to the rows the running slots hold and will still write.
+struct server_ridgefill_slot_cells {
+    bool    running; // processing a prompt or generating
+    int64_t n_rows;  // cells it holds (a running slot: its whole prompt, written or not)
+    int64_t n_rest;  // cells it may still write (the rest of a bounded n_predict)
+};
+
+enum server_ridgefill_admission {
+    SERVER_RIDGEFILL_ADMIT,             // fits now
+    SERVER_RIDGEFILL_ADMIT_AFTER_PURGE, // fits once the caches of the slots that are not running are cleared
+    SERVER_RIDGEFILL_WAIT,              // the running slots need the room: try again later
+};
+
+// a prompt needing n_need cells (its rows and bounded n_predict), next to the other slots
+server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
+        const std::vector<server_ridgefill_slot_cells> & others);
 
 // the command line's RidgeFill settings for GET /props (maps, split, tail, exact_fraction,
 // selector, min_prompt; split -1: the map file's)
