@@ -1,14 +1,19 @@
 // RidgeFill attached to a llama_context: parameters, the per-row scratch buffers, the plan of the
-// prompt being prefilled, and the late phase (docs/method.md §4, §6; llama-ridgefill-graph.h).
+// prompt being prefilled and its two phases (docs/method.md §4, §6). The early phase runs inside
+// llama_context::decode through the hooks below; the late phase, its graphs and the reservation of
+// their compute buffers are in llama-ridgefill-late.cpp; the diagnostic entry points in
+// llama-ridgefill-debug.cpp.
 #pragma once
 
 #include "llama-ridgefill.h"
 #include "llama-ridgefill-graph.h"
+#include "llama-ridgefill-late.h"
 
 #include "ggml-cpp.h"
 
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 struct llama_context;
@@ -42,6 +47,17 @@ struct llama_ridgefill_context {
 
     // the checks of llama_ridgefill_attach; "" when the settings work with this context
     static std::string check(const llama_context & lctx, const llama_ridgefill_maps * maps, llama_ridgefill_params & params);
+    // ... of the context's settings and memory
+    static std::string check_context(const llama_context & lctx);
+
+    //
+    // the C API (llama-ridgefill.h); the results of the last finished plan are the fields below
+    //
+
+    int32_t begin(llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end);
+    int32_t set_exact(const llama_pos * pos, int32_t n);
+    void    cancel();
+    int32_t splice_state(int32_t il, const float * state, int32_t n);
 
     //
     // called by llama_context::decode
@@ -61,32 +77,60 @@ struct llama_ridgefill_context {
     // end of a decode call: logits asked for planned rows before the last are NaN (only the last
     // prompt row has logits); the call that brought the last row runs the late phase. 0, or the
     // error code decode returns
-    int decode_done(llama_context & lctx);
+    int decode_done();
 
-    // the late phase
-    int finish(llama_context & lctx);
+    // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
+    // selector's query rows) and of the late phase's graphs; false on failure
+    bool reserve();
 
-    // one pass over the late layers, layer-major: the exact rows X (rows of plan p, ascending, the
-    // tail last) run every late layer in chunks of n_ubatch. fill: the first chunk's graph of each
-    // layer writes the filled rows (cur.f_*) with the value and key scales; n_query > 0: the last
-    // n_query rows of X add their attention at each full-attention late layer to `scores` (the probe
-    // pass); logits: the tail rows that asked for logits get them. "" on success, else what failed
-    std::string run_late(llama_context & lctx, const llama_ridgefill_plan & p, const std::vector<int32_t> & X,
-            const std::vector<int64_t> & cells, const std::vector<int64_t> & cells_swa, bool fill, int32_t n_query, bool logits);
+    //
+    // the phases
+    //
 
-    // the selector seam (docs/method.md §5): the exact prefix rows of a plan whose rows are all decoded,
-    // ascending; cells: the cell of each planned row in the full-attention cache. The attention
-    // selector's scores accumulate in the early phase (llama_ridgefill_build_attn at sel_layer), the
-    // probe's in the probe pass of finish(); the protected selector reads the rows' tokens
+    // the graph fields every RidgeFill graph shares
+    llama_ridgefill_graph base_graph() const;
+
+    // an early-phase graph: layers [0, S) of a ubatch, x_S stored into xs at dst_rows; sel_ids: the
+    // ubatch rows among the attention selector's query rows
+    llama_ridgefill_graph early_graph(std::vector<int32_t> dst_rows, std::vector<int32_t> sel_ids) const;
+
+    // the late phase (llama-ridgefill-late.cpp)
+    int finish();
+
+    // a pass whose exact rows are those marked in is_exact (the last T rows among them)
+    llama_ridgefill_pass make_pass(llama_seq_id seq_id, llama_pos pos0, std::vector<int64_t> cells,
+            std::vector<int64_t> cells_swa, const std::vector<char> & is_exact, int32_t T) const;
+
+    // the graphs of late layer il in a pass: row ranges [c0, c1) of the rows the layer runs
+    std::vector<std::pair<int32_t, int32_t>> late_chunks(const llama_ridgefill_pass & ps, int32_t il) const;
+
+    // the one builder of late-phase graphs: layer il on rows [c0, c1) of a pass
+    void late_graph(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, int32_t c1, llama_ridgefill_late_graph & lg) const;
+    void late_rows_recurrent(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, const std::vector<int32_t> & rows,
+            llama_ridgefill_graph & g) const;
+    void late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, const std::vector<int32_t> & rows,
+            llama_ridgefill_graph & g) const;
+
+    // run every graph of a pass; "" on success, else what failed
+    std::string run_pass(const llama_ridgefill_pass & ps);
+    std::string run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg, int32_t rs_cell);
+
+    // the probe selector (docs/method.md §5): a pass with every prefix row filled whose tail scores the
+    // prefix, then the pass with the selected rows exact. is_exact, exact, n_probe: the outcome
+    std::string run_probe(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells,
+            const std::vector<int64_t> & cells_swa, std::vector<char> & is_exact, std::vector<llama_pos> & exact,
+            int32_t & n_probe);
+
+    // the selector seam: the exact prefix rows of a plan whose rows are all decoded, ascending;
+    // cells: the cell of each planned row in the full-attention cache (the scores are per cell)
     std::vector<llama_pos> select_exact(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells, int32_t n_prefix);
 
     // filled rows per fill step for n_f filled rows: n_ubatch (or params.n_fill_chunk), larger when
     // the steps would not fit the graph's node budget
     int32_t fill_chunk(int32_t n_f) const;
 
-    // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
-    // selector's query rows) and of the late phase (a chunk of exact rows, a fill step); false on failure
-    bool reserve();
+    // build a graph of cur into res_late, n_outputs outputs; nullptr on failure
+    ggml_cgraph * build_graph(const llama_ubatch & ub, const llama_memory_context_i * mctx, uint32_t n_outputs);
 
     //
     // state
@@ -141,3 +185,16 @@ struct llama_ridgefill_context {
     // the splice test: late recurrent layer -> the state its tail starts from (llama_ridgefill_splice_state)
     std::map<int32_t, std::vector<float>> splice_states;
 };
+
+// the RidgeFill of a context for a C API function; nullptr (with the error recorded) when none is attached
+llama_ridgefill_context * llama_ridgefill_get(llama_context * ctx, const char * func);
+
+// copy up to n elements of v to out (when out is not NULL); the number of elements there are
+template <typename T>
+int32_t llama_ridgefill_copy_out(const std::vector<T> & v, T * out, int32_t n) {
+    const int32_t m = (int32_t) v.size();
+    if (out) {
+        std::copy_n(v.begin(), std::min(m, std::max(n, 0)), out);
+    }
+    return m;
+}

@@ -91,6 +91,8 @@ struct rf_tensor_info {
 
 } // namespace
 
+// one sequential read of a GGUF header (~140 lines) on purpose: it mirrors the format's layout field by
+// field, in the order the bytes come in
 std::string llama_ridgefill_model_fingerprint_file(const char * path) {
     llama_ridgefill_check_regular_file(path, "model");
     llama_file file(path, "rb");

@@ -2,6 +2,7 @@
 // attention selector, the value scale and the filled rows' K/V (see llama-ridgefill-graph.h).
 
 #include "llama-ridgefill-graph.h"
+#include "llama-ridgefill-arch.h"
 #include "llama-ridgefill.h"
 #include "llama-ridgefill-maps.h"
 
@@ -210,6 +211,9 @@ static void rf_build_kv(
     const llama_layer   & layer   = model.layers[il];
     ggml_context        * ctx0    = g.ctx0;
 
+    const llama_ridgefill_arch * arch = llama_ridgefill_arch_find(model.arch);
+    GGML_ASSERT(arch != nullptr);
+
     const int64_t n         = x->ne[1];
     const int64_t n_head    = hparams.n_head(il);
     const int64_t n_head_kv = hparams.n_head_kv(il);
@@ -222,9 +226,9 @@ static void rf_build_kv(
     ggml_tensor * v = nullptr;
 
     if (layer.wqkv) {
-        // fused QKV: the whole projection (keeps adapters and scales right), then the K and V parts;
-        // qwen35's Q part also holds the output gate (twice the query width)
-        const int64_t n_embd_q = (model.arch == LLM_ARCH_QWEN35 ? 2 : 1)*d_k*n_head;
+        // fused QKV: the whole projection (keeps adapters and scales right), then the K and V parts
+        // (the Q part may be wider: llama_ridgefill_arch::q_width)
+        const int64_t n_embd_q = arch->q_width*d_k*n_head;
         ggml_tensor * qkv = g.build_lora_mm(layer.wqkv, cur, layer.wqkv_s);
         if (layer.wqkv_b) {
             qkv = ggml_add(ctx0, qkv, layer.wqkv_b);
@@ -261,57 +265,9 @@ static void rf_build_kv(
 
     k = ggml_reshape_3d(ctx0, k, d_k, n_head_kv, n);
 
-    // pos == nullptr: the caller wants norms only, and RoPE rotates pairs of dimensions (norms
-    // unchanged): k-norm, no RoPE
-    switch (model.arch) {
-        case LLM_ARCH_LLAMA:
-            {
-                ggml_tensor * rope_factors = model.get_rope_factors(g.cparams, il);
-                if (pos) {
-                    k = ggml_rope_ext(ctx0, k, pos, rope_factors,
-                            g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
-                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
-                }
-                if (hparams.use_kq_norm) {
-                    k = ggml_rms_norm(ctx0, k, hparams.f_norm_rms_eps);
-                }
-            } break;
-        case LLM_ARCH_QWEN3:
-            {
-                k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
-                if (pos) {
-                    k = ggml_rope_ext(ctx0, k, pos, nullptr,
-                            g.n_rot, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
-                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
-                }
-            } break;
-        case LLM_ARCH_QWEN35:
-            {
-                // M-RoPE: pos holds the rows' positions section-major (4 * n)
-                int sections[4];
-                std::copy(std::begin(hparams.rope_sections), std::begin(hparams.rope_sections) + 4, sections);
-                k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
-                if (pos) {
-                    k = ggml_rope_multi(ctx0, k, pos, nullptr,
-                            g.n_rot, sections, g.rope_type, g.n_ctx_orig, g.freq_base, g.freq_scale,
-                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
-                }
-            } break;
-        case LLM_ARCH_GEMMA3:
-            {
-                const bool iswa = hparams.swa_type == LLAMA_SWA_TYPE_STANDARD;
-                const float freq_base_l  = iswa ? model.get_rope_freq_base (g.cparams, il) : g.freq_base;
-                const float freq_scale_l = iswa ? model.get_rope_freq_scale(g.cparams, il) : g.freq_scale;
-                k = g.build_norm(k, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
-                if (pos) {
-                    k = ggml_rope_ext(ctx0, k, pos, nullptr,
-                            g.n_rot, g.rope_type, g.n_ctx_orig, freq_base_l, freq_scale_l,
-                            g.ext_factor, g.attn_factor, g.beta_fast, g.beta_slow);
-                }
-            } break;
-        default:
-            GGML_ABORT("ridgefill: no K/V path for architecture %s", llm_arch_name(model.arch));
-    }
+    // the architecture's k-norm and RoPE (pos == nullptr: the caller wants norms only, and RoPE
+    // rotates pairs of dimensions, norms unchanged)
+    k = arch->k_path(g, il, k, pos);
 
     *k_out = k;
 }
@@ -445,37 +401,38 @@ static void rf_build_fill(
     }
 
     // (b) the filled rows, in chunks
-    const int64_t n_f = rf->f_rows.size();
+    const llama_ridgefill_fill & fill = *rf->fill;
+    const int64_t n_f = fill.rows.size();
     if (n_f == 0) {
         return;
     }
-    const bool swa = hparams.is_swa(il) && !rf->f_cells_swa.empty();
+    const bool swa = hparams.is_swa(il) && !fill.cells_swa.empty();
     // positions per row (M-RoPE: f_pos holds each fill step's rows section-major, n_pos per row)
-    const int64_t n_pos = rf->f_pos.size()/n_f;
-    GGML_ASSERT((int64_t) rf->f_pos.size() == n_pos*n_f);
+    const int64_t n_pos = fill.pos.size()/n_f;
+    GGML_ASSERT((int64_t) fill.pos.size() == n_pos*n_f);
     if (!inp->f_rows) {
-        inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->f_rows.data(), "ridgefill_f_rows");
-        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, rf->f_pos.size(), rf->f_pos.data(), "ridgefill_f_pos");
+        inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, n_f, fill.rows.data(), "ridgefill_f_rows");
+        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, fill.pos.size(), fill.pos.data(), "ridgefill_f_pos");
     }
     ggml_tensor *& cells = swa ? inp->f_cells_swa : inp->f_cells;
     if (!cells) {
-        const auto & data = swa ? rf->f_cells_swa : rf->f_cells;
+        const auto & data = swa ? fill.cells_swa : fill.cells;
         cells = inp->add(ctx0, GGML_TYPE_I64, n_f, data.data(), swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
     }
 
     // a transposed V cache (no flash attention) is written element by element
-    const bool v_trans = !rf->f_vidx.empty();
-    const int64_t n_embd_v = v_trans ? (int64_t) (rf->f_vidx.size()/n_f) : 0;
+    const bool v_trans = !fill.vidx.empty();
+    const int64_t n_embd_v = v_trans ? (int64_t) (fill.vidx.size()/n_f) : 0;
     if (v_trans) {
         ggml_tensor *& vidx = swa ? inp->f_vidx_swa : inp->f_vidx;
         if (!vidx) {
-            const auto & data = swa ? rf->f_vidx_swa : rf->f_vidx;
+            const auto & data = swa ? fill.vidx_swa : fill.vidx;
             vidx = inp->add(ctx0, GGML_TYPE_I64, data.size(), data.data(), swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
         }
     }
 
-    for (int64_t i0 = 0; i0 < n_f; i0 += rf->n_chunk) {
-        const int64_t nc = std::min<int64_t>(rf->n_chunk, n_f - i0);
+    for (int64_t i0 = 0; i0 < n_f; i0 += fill.n_chunk) {
+        const int64_t nc = std::min<int64_t>(fill.n_chunk, n_f - i0);
 
         ggml_tensor * rows = ggml_view_1d(ctx0, inp->f_rows, nc, i0*ggml_element_size(inp->f_rows));
         ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc*n_pos, i0*n_pos*ggml_element_size(inp->f_pos));
@@ -506,10 +463,10 @@ static void rf_build_fill(
             vidx = ggml_view_1d(ctx0, all, nc*n_embd_v, i0*n_embd_v*ggml_element_size(all));
         }
 
-        if (!(rf->splice & LLAMA_RIDGEFILL_SPLICE_K)) {
+        if (!(fill.splice & LLAMA_RIDGEFILL_SPLICE_K)) {
             ggml_build_forward_expand(g.gf, mctx->cpy_k(ctx0, k, kidx, il));
         }
-        if (!(rf->splice & LLAMA_RIDGEFILL_SPLICE_V)) {
+        if (!(fill.splice & LLAMA_RIDGEFILL_SPLICE_V)) {
             ggml_build_forward_expand(g.gf, mctx->cpy_v(ctx0, v, vidx, il));
         }
     }
@@ -530,6 +487,7 @@ void llama_ridgefill_build_attn(
     }
     // the fill first: a probe pass scores the query rows' attention against the filled cells
     if (il == rf->fill_layer) {
+        GGML_ASSERT(rf->fill != nullptr);
         rf_build_fill(g, mctx, k_rot, v_rot, il);
     }
     if (il == rf->sel_layer && !rf->sel_ids.empty()) {

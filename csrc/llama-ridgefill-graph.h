@@ -28,6 +28,20 @@ struct llama_ubatch;
 
 struct llm_graph_input_ridgefill;
 
+// the filled rows of one pass over the late layers, written at each attention layer the pass fills
+// (owned by the pass, alive while its graphs are built and their inputs set)
+struct llama_ridgefill_fill {
+    std::vector<int32_t> rows;      // [|F|] xs row of each filled row
+    std::vector<int32_t> pos;       // [|F|] position of each filled row (M-RoPE: [4 |F|], each fill
+                                    //   step's rows section-major)
+    std::vector<int64_t> cells;     // [|F|] cell of each filled row in the full-attention cache
+    std::vector<int64_t> cells_swa; // [|F|] ... in the sliding-window cache (iSWA models)
+    std::vector<int64_t> vidx;      // transposed V cache (no flash attention): [|F| * n_embd_v_gqa]
+    std::vector<int64_t> vidx_swa;  //   element indices, empty otherwise
+    int32_t n_chunk = 512;          // filled rows per fill step
+    int32_t splice  = 0;            // enum llama_ridgefill_splice: keep the cells' K and/or V
+};
+
 // the RidgeFill part of one graph's parameters (llm_graph_params::ridgefill); owned by the
 // llama_ridgefill_context, alive while the graph is built and its inputs are set.
 //
@@ -75,16 +89,8 @@ struct llama_ridgefill_graph {
     std::vector<int32_t> sel_ids;   // ubatch rows among the selector's query rows
 
     // fill (late phase): at layer fill_layer, the value scale then the filled rows' K/V
-    int32_t fill_layer = -1;          // -1: none in this graph
-    std::vector<int32_t> f_rows;      // [|F|] xs row of each filled row
-    std::vector<int32_t> f_pos;       // [|F|] position of each filled row (M-RoPE: [4 |F|], each fill
-                                      //   step's rows section-major)
-    std::vector<int64_t> f_cells;     // [|F|] cell of each filled row in the full-attention cache
-    std::vector<int64_t> f_cells_swa; // [|F|] ... in the sliding-window cache (iSWA models)
-    std::vector<int64_t> f_vidx;      // transposed V cache (no flash attention): [|F| * n_embd_v_gqa]
-    std::vector<int64_t> f_vidx_swa;  //   element indices, empty otherwise
-    int32_t n_chunk = 512;            // filled rows per fill step
-    int32_t splice  = 0;              // enum llama_ridgefill_splice: keep the cells' K and/or V
+    int32_t fill_layer = -1;                      // -1: none in this graph
+    const llama_ridgefill_fill * fill = nullptr;  // the filled rows of the pass (fill_layer >= 0)
     ggml_tensor * r_src = nullptr;    // value-scale rows (the first min(c, T) tail rows): their exact
     std::vector<int32_t> r_src_rows;  //   inputs of the layer (rows of r_src: xs at l = S, else xx)
     std::vector<int32_t> r_rows;      //   and their xs rows; empty: no value scale

@@ -148,6 +148,9 @@ void llama_ridgefill_check_regular_file(const char * path, const char * what) {
     }
 }
 
+// the whole load as one function (~190 lines) on purpose: its checks must run in this order (the file,
+// its metadata, the model's fingerprint before any tensor data is read, the tensors, their values),
+// and each step reads what the one before established
 static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * path, const llama_ridgefill_maps_params & params) {
     const llama_model & model = maps.model;
 

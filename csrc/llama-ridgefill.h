@@ -13,6 +13,12 @@ extern "C" {
     //   backends (registered ggml backends, e.g. ["CPU"] or ["CUDA", "CPU"])
     LLAMA_API const char * llama_ridgefill_build_info(void);
 
+    // The i-th architecture RidgeFill prefill supports (its GGUF general.architecture name), i from 0;
+    // NULL past the last. *hybrid (when not NULL): whether some of its layers are recurrent (Gated
+    // DeltaNet), which the late phase runs over every row. Everything else is refused by
+    // llama_ridgefill_attach with a message listing these.
+    LLAMA_API const char * llama_ridgefill_supported_arch(int32_t i, bool * hybrid);
+
     //
     // hidden-state capture (calibration, tests): the input of layer il (the residual stream
     // entering it) for every token of the last llama_decode() call, il in [0, n_layer]

@@ -10,7 +10,7 @@ it does not. Two kinds of check:
   weight buffers (AMX, CPU_REPACK) and without them. A kernel that faults shows up as the child's
   signal. On a CPU that offers AMX, the AMX buffer must really hold the weights of the types it has
   kernels for, so the tile path is the one under test.
-* The AMX tile configuration reaches ``ldtilecfg`` whole (patches/0006): the pinned ggml built its
+* The AMX tile configuration reaches ``ldtilecfg`` whole (patches/0008): the pinned ggml built its
   config on the stack, and GCC's ``_tile_loadconfig`` names only the config's first 8 bytes as read,
   so GCC dropped the stores of the tile shapes and the first tile load faulted (SIGILL). This is
   checked on the machine code of ggml's AMX kernels, compiled for an AMX target with the build's
@@ -263,7 +263,7 @@ def test_amx_tile_config_reaches_ldtilecfg_whole(amx_objects):
 
 
 def test_amx_tile_config_check_fails_on_the_unpatched_source(amx_objects):
-    """The same check on the pinned source without patches/0006: its config is built on the stack
+    """The same check on the pinned source without patches/0008: its config is built on the stack
     (and GCC 12 stores only the palette byte there), so the check must reject it."""
     loads = tile_config_loads(amx_objects["pristine"])
     assert loads

@@ -1,4 +1,4 @@
-"""RidgeFill inside the patched llama-server (patch 0005, csrc/server/): a real server on a loopback
+"""RidgeFill inside the patched llama-server (patch 0007, csrc/server/): a real server on a loopback
 port, driven by raw HTTP and the official ``openai`` client.
 
 The oracle of the server path is the library path (``ridgefill_cpp.Llama(..., ridgefill=...)``,

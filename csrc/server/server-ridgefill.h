@@ -1,6 +1,6 @@
 // RidgeFill in llama-server (ridgefill-cpp): the --ridgefill-* settings, the per-request "ridgefill"
 // field and the RidgeFill attached to the server's target context. Compiled into llama.cpp's
-// server-context library; the hooks in tools/server are patches/0005-server-ridgefill.patch.
+// server-context library; the hooks in tools/server are patches/0007-server-ridgefill.patch.
 //
 // Planned prompts are serialised. llama_ridgefill_begin() needs the rows of one sequence alone in
 // the decode calls up to the plan's last row (its late phase runs then), so while a slot's planned

@@ -1,0 +1,613 @@
+// The late phase of a planned prompt: plan -> passes -> graphs -> run (see llama-ridgefill-late.h),
+// and the reservation of the compute buffers its graphs need.
+
+#include "llama-ridgefill-context.h"
+#include "llama-ridgefill-arch.h"
+#include "llama-ridgefill-maps.h"
+#include "llama-ridgefill-memory.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+
+//
+// passes and their graphs
+//
+
+llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, llama_pos pos0, std::vector<int64_t> cells,
+        std::vector<int64_t> cells_swa, const std::vector<char> & is_exact, int32_t T) const {
+    const llama_hparams & hparams = model.hparams;
+    const llama_ridgefill_caches caches(lctx.get_memory());
+
+    llama_ridgefill_pass ps;
+    ps.seq_id    = seq_id;
+    ps.pos0      = pos0;
+    ps.N         = (int32_t) is_exact.size();
+    ps.T         = T;
+    ps.n_prefix  = ps.N - T;
+    ps.cells     = std::move(cells);
+    ps.cells_swa = std::move(cells_swa);
+    ps.xi.assign(ps.N, -1);
+
+    llama_ridgefill_fill & f = ps.fill;
+    for (int32_t j = 0; j < ps.N; ++j) {
+        if (is_exact[j]) {
+            ps.xi[j] = (int32_t) ps.X.size();
+            ps.X.push_back(j);
+        } else {
+            f.rows .push_back(j);
+            f.pos  .push_back(pos0 + j);
+            f.cells.push_back(ps.cells[j]);
+            if (!ps.cells_swa.empty()) {
+                f.cells_swa.push_back(ps.cells_swa[j]);
+            }
+        }
+    }
+    GGML_ASSERT((int32_t) ps.X.size() >= T);
+
+    const int32_t n_f = f.rows.size();
+    f.n_chunk = fill_chunk(n_f);
+    f.splice  = params.splice;
+
+    const uint32_t n_pos = hparams.n_pos_per_embd();
+    if (n_pos > 1) {
+        // M-RoPE: each fill step's positions section-major
+        std::vector<int32_t> sections((size_t) n_f*n_pos);
+        for (int32_t i0 = 0; i0 < n_f; i0 += f.n_chunk) {
+            llama_ridgefill_text_positions(f.pos.data() + i0, std::min(f.n_chunk, n_f - i0), n_pos, sections.data() + (size_t) i0*n_pos);
+        }
+        f.pos = std::move(sections);
+    }
+    if (caches.base->get_v_trans()) {
+        // a transposed V cache is written element by element
+        const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
+        auto fill_vidx = [&](const llama_kv_cache * kv, const std::vector<int64_t> & c, std::vector<int64_t> & out) {
+            const int64_t kv_size = kv->get_size();
+            out.resize(c.size()*n_embd_v);
+            for (size_t i = 0; i < c.size(); ++i) {
+                for (int64_t e = 0; e < n_embd_v; ++e) {
+                    out[i*n_embd_v + e] = e*kv_size + c[i];
+                }
+            }
+        };
+        fill_vidx(caches.base, f.cells, f.vidx);
+        if (caches.swa) {
+            fill_vidx(caches.swa, f.cells_swa, f.vidx_swa);
+        }
+    }
+    return ps;
+}
+
+std::vector<std::pair<int32_t, int32_t>> llama_ridgefill_context::late_chunks(const llama_ridgefill_pass & ps, int32_t il) const {
+    // an attention layer runs the exact rows in chunks of n_ubatch, in position order (a chunk attends
+    // to the rows of the chunks before it, already written); a recurrent layer every row in position
+    // order, in chunks of n_ubatch that start anew at the tail (its first chunk may start from the
+    // corrected state)
+    const bool    recurrent = model.hparams.is_recr(il);
+    const int32_t n_rows    = recurrent ? ps.N : (int32_t) ps.X.size();
+    const int32_t n_ubatch  = (int32_t) lctx.get_cparams().n_ubatch;
+
+    std::vector<std::pair<int32_t, int32_t>> chunks;
+    for (int32_t c0 = 0; c0 < n_rows; ) {
+        const int32_t end = recurrent && c0 < ps.n_prefix ? ps.n_prefix : n_rows;
+        const int32_t c1  = std::min(c0 + n_ubatch, end);
+        chunks.emplace_back(c0, c1);
+        c0 = c1;
+    }
+    return chunks;
+}
+
+// the rows of a recurrent late layer's graph, a chunk of every planned row: filled rows feed the
+// state from x̂ (xs row j), exact rows run the layer (xs row j at the split layer, their carried
+// state after it)
+void llama_ridgefill_context::late_rows_recurrent(const llama_ridgefill_pass & ps, int32_t il, int32_t c0,
+        const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const {
+    const int32_t S  = params.split_layer;
+    const int32_t nc = rows.size();
+
+    int32_t n_f = 0;
+    for (int32_t j : rows) {
+        n_f += ps.xi[j] < 0;
+    }
+    int32_t k_f = 0;
+    for (int32_t i = 0; i < nc; ++i) {
+        const int32_t j = rows[i];
+        if (ps.xi[j] < 0) {
+            g.m_f_rows.push_back(j);
+            g.m_perm.push_back(k_f++);
+        } else {
+            g.m_perm.push_back(n_f + (int32_t) g.x_ids.size());
+            g.x_ids.push_back(i);
+            g.src_rows.push_back(il == S ? j : ps.xi[j]);
+            g.dst_rows.push_back(ps.xi[j]);
+        }
+    }
+    // the terminal-state correction: the tail's first chunk starts from the corrected state
+    if (c0 == ps.n_prefix && params.state_correction == LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN && maps &&
+        il < (int32_t) maps->g.size()) {
+        g.state_gain = maps->g[il];
+    }
+}
+
+// the rows of an attention late layer's graph, a chunk of the exact rows; the first chunk of a
+// filling pass also fills the layer, and a probe pass's query rows score the prefix
+void llama_ridgefill_context::late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t c0,
+        const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const {
+    const llama_hparams & hparams = model.hparams;
+    const int32_t S   = params.split_layer;
+    const int32_t n_x = ps.X.size();
+    const int32_t nc  = rows.size();
+
+    for (int32_t i = 0; i < nc; ++i) {
+        g.src_rows.push_back(il == S ? rows[i] : ps.xi[rows[i]]);
+        g.dst_rows.push_back(ps.xi[rows[i]]);
+    }
+    if (ps.fills && c0 == 0) {
+        // the fill, after the value (and key) scale measured on the first tail rows: their exact
+        // inputs (xs at the split layer, else their carried states) against x̂ from their xs rows
+        g.fill_layer = il;
+        g.fill       = &ps.fill;
+        g.r_src      = g.src;
+        for (int32_t i = 0; i < std::min(params.n_rescale, ps.T); ++i) {
+            g.r_src_rows.push_back(il == S ? ps.n_prefix + i : n_x - ps.T + i);
+            g.r_rows.push_back(ps.n_prefix + i);
+        }
+        for (int32_t i = 0; i < std::min(params.n_key_rescale, ps.T); ++i) {
+            g.rk_src_rows.push_back(il == S ? ps.n_prefix + i : n_x - ps.T + i);
+            g.rk_rows.push_back(ps.n_prefix + i);
+        }
+    }
+    // the probe's query rows: the last n_query rows of X
+    if (ps.n_query > 0 && llama_ridgefill_is_full_attention(hparams, il)) {
+        for (int32_t i = 0; i < nc; ++i) {
+            if (c0 + i >= n_x - ps.n_query) {
+                g.sel_ids.push_back(i);
+            }
+        }
+    }
+}
+
+void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, int32_t c1,
+        llama_ridgefill_late_graph & lg) const {
+    const llama_hparams & hparams = model.hparams;
+
+    const int32_t S          = params.split_layer;
+    const int32_t nc         = c1 - c0;
+    const bool    last_layer = il == n_layer - 1;
+    const bool    recurrent  = hparams.is_recr(il);
+    const bool    swa        = !ps.cells_swa.empty();
+
+    // the graph's rows: the planned row of each ubatch row
+    std::vector<int32_t>   rows(nc);
+    std::vector<llama_pos> pos(nc);
+    lg.il = il;
+    lg.c0 = c0;
+    lg.c1 = c1;
+    lg.cells.resize(nc);
+    lg.cells_swa.resize(swa ? nc : 0);
+    for (int32_t i = 0; i < nc; ++i) {
+        const int32_t j = recurrent ? c0 + i : ps.X[c0 + i];
+        rows[i]       = j;
+        pos[i]        = ps.pos0 + j;
+        lg.cells[i]   = ps.cells[j];
+        if (swa) {
+            lg.cells_swa[i] = ps.cells_swa[j];
+        }
+    }
+    lg.ub = llama_ridgefill_make_ubatch(ps.seq_id, pos, false, hparams.n_pos_per_embd());
+
+    llama_ridgefill_graph & g = lg.rf;
+    g = base_graph();
+    g.il_begin = il;
+    g.il_end   = last_layer ? n_layer : il + 1;
+    g.src      = il == S ? xs : xx;
+    g.dst      = xx;
+    g.gdn      = recurrent;
+
+    // the ubatch rows that reach the output: all of them, or the exact ones of a recurrent layer
+    std::vector<int32_t> out_rows;
+    if (recurrent) {
+        late_rows_recurrent(ps, il, c0, rows, g);
+        out_rows = g.x_ids;
+    } else {
+        late_rows_attention(ps, il, c0, rows, g);
+        out_rows.resize(nc);
+        std::iota(out_rows.begin(), out_rows.end(), 0);
+    }
+    if (!g.sel_ids.empty()) {
+        g.sel_layer = il;
+        g.scores    = scores;
+    }
+
+    // the last layer outputs the logits of the rows that asked for them (at least one row when the
+    // graph has rows that reach the output: a graph needs an output; a row nobody asked for is discarded)
+    lg.out_idx.clear();
+    if (last_layer && !out_rows.empty()) {
+        for (size_t k = 0; k < out_rows.size() && ps.logits; ++k) {
+            const int32_t i = out_rows[k];
+            for (const auto & [op, bi] : ps.out_rows) {
+                if (op == pos[i]) {
+                    lg.ub.output[i] = 1;
+                    g.out_ids.push_back((int32_t) k);
+                    lg.out_idx.push_back(bi);
+                }
+            }
+        }
+        if (lg.out_idx.empty()) {
+            lg.ub.output[out_rows.back()] = 1;
+            g.out_ids.push_back((int32_t) out_rows.size() - 1);
+            lg.out_idx.push_back(-1);
+        }
+    }
+}
+
+ggml_cgraph * llama_ridgefill_context::build_graph(const llama_ubatch & ub, const llama_memory_context_i * mctx, uint32_t n_outputs) {
+    if (!res_late) {
+        res_late.reset(new llm_graph_result(lctx.graph_max_nodes(lctx.get_cparams().n_ubatch)));
+    }
+    graph_active = true;
+    ggml_cgraph * gf = lctx.graph_build_ext(res_late.get(), ub, mctx, n_outputs);
+    graph_active = false;
+    return gf;
+}
+
+//
+// running a pass
+//
+
+std::string llama_ridgefill_context::run_pass(const llama_ridgefill_pass & ps) {
+    // hybrid models: the recurrent cell of the sequence, whose late layers' states continue here
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    const int32_t rs_cell = caches.recr_cell(ps.seq_id);
+    if (caches.recr && rs_cell < 0) {
+        return format("sequence %d has no recurrent state", ps.seq_id);
+    }
+
+    llama_ridgefill_late_graph lg;
+    for (int32_t il = params.split_layer; il < n_layer; ++il) {
+        for (const auto & [c0, c1] : late_chunks(ps, il)) {
+            late_graph(ps, il, c0, c1, lg);
+            std::string err = run_graph(ps, lg, rs_cell);
+            if (!err.empty()) {
+                return err;
+            }
+        }
+    }
+    return "";
+}
+
+std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg, int32_t rs_cell) {
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    ggml_backend_sched_t sched = lctx.get_sched();
+
+    const int32_t il        = lg.il;
+    const bool    recurrent = model.hparams.is_recr(il);
+
+    // the splice test: the tail starts from the given state (the graphs before wrote the cell)
+    if (recurrent && lg.c0 == ps.n_prefix && splice_states.count(il)) {
+        ggml_backend_sched_synchronize(sched);
+        caches.write_state(il, rs_cell, splice_states.at(il));
+    }
+
+    const bool rs_zero = recurrent && ps.pos0 == 0 && lg.c0 == 0; // a new sequence starts from a zero state
+    llama_memory_context_ptr mctx = caches.reuse_context(ps.seq_id, lg.ub, lg.cells, lg.cells_swa, rs_cell, rs_zero);
+    if (!mctx->apply()) {
+        return "failed to address the memory of the late rows";
+    }
+
+    cur = std::move(lg.rf);
+    const int64_t t0 = ggml_time_us();
+    ggml_cgraph * gf = build_graph(lg.ub, mctx.get(), lg.out_idx.size());
+    const int64_t t1 = ggml_time_us();
+    if (!gf || !ggml_backend_sched_alloc_graph(sched, gf)) {
+        return format("failed to build or allocate the late-phase graph of layer %d", il);
+    }
+    const int64_t t2 = ggml_time_us();
+    res_late->set_inputs(&lg.ub);
+    const int64_t t3 = ggml_time_us();
+    if (lctx.graph_compute(gf, true) != GGML_STATUS_SUCCESS) {
+        return format("failed to compute the late-phase graph of layer %d", il);
+    }
+    // wait only for results read back here; otherwise the next graph is built while this one runs,
+    // as llama_context::decode does with its ubatches
+    const bool record = recurrent && lg.c1 == ps.n_prefix && record_boundary;
+    if (cur.v_scale || cur.k_scale || record || !lg.out_idx.empty()) {
+        ggml_backend_sched_synchronize(sched);
+    }
+    const int64_t t4 = ggml_time_us();
+    timing.n_graphs++;
+    timing.n_nodes    += ggml_graph_n_nodes(gf);
+    timing.build_us   += t1 - t0;
+    timing.alloc_us   += t2 - t1;
+    timing.inputs_us  += t3 - t2;
+    timing.compute_us += t4 - t3;
+
+    // what the graph measured: the value and key scales, the state at the end of the prefix, the logits
+    const size_t n_head_kv_max = last_v_scales.size()/(n_layer - params.split_layer);
+    const size_t off           = (size_t) (il - params.split_layer)*n_head_kv_max;
+    if (cur.v_scale) {
+        ggml_backend_tensor_get(cur.v_scale, last_v_scales.data() + off, 0, ggml_nbytes(cur.v_scale));
+    }
+    if (cur.k_scale) {
+        ggml_backend_tensor_get(cur.k_scale, last_k_scales.data() + off, 0, ggml_nbytes(cur.k_scale));
+    }
+    if (record) {
+        // the state after the last prefix row, before any correction
+        boundary_states[il] = caches.read_state(il, rs_cell);
+    }
+    if (!lg.out_idx.empty()) {
+        ggml_tensor * t_logits = res_late->get_logits();
+        GGML_ASSERT(t_logits != nullptr && t_logits->ne[1] == (int64_t) lg.out_idx.size());
+        for (size_t k = 0; k < lg.out_idx.size(); ++k) {
+            if (lg.out_idx[k] < 0) {
+                continue;
+            }
+            float * dst = lctx.get_logits_ith(lg.out_idx[k]);
+            if (dst == nullptr) {
+                return "no logits row for a tail row that asked for logits";
+            }
+            ggml_backend_tensor_get(t_logits, dst, k*t_logits->nb[1], t_logits->nb[1]);
+        }
+    }
+    return "";
+}
+
+std::string llama_ridgefill_context::run_probe(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells,
+        const std::vector<int64_t> & cells_swa, std::vector<char> & is_exact, std::vector<llama_pos> & exact,
+        int32_t & n_probe) {
+    // every prefix row filled (with the value and key scales of this pass); the tail runs the late
+    // layers against the filled cache and its last rows score the prefix at every full-attention late
+    // layer. The selected rows then run the late layers exactly, with the tail again (it attends to
+    // them), over the cells the probe filled
+    const llama_hparams & hparams = model.hparams;
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    const int32_t N = p.pos_end - p.pos0;
+    const int32_t T = std::min(params.n_tail, N);
+
+    llama_ridgefill_pass ps = make_pass(p.seq_id, p.pos0, cells, cells_swa, is_exact, T);
+    ps.n_query  = std::min(params.n_sel_queries, T);
+    ps.out_rows = p.out_rows;
+    ggml_backend_tensor_memset(scores, 0, 0, ggml_nbytes(scores));
+
+    // the probe pass runs the late recurrent layers over every row: their states are put back for the
+    // second pass (a sequence from position 0 starts from zero anyway)
+    std::map<int32_t, std::vector<float>> saved;
+    const int32_t rs_cell = caches.recr_cell(p.seq_id);
+    if (caches.recr && rs_cell >= 0 && p.pos0 > 0) {
+        for (int32_t il = params.split_layer; il < n_layer; ++il) {
+            if (hparams.is_recr(il)) {
+                saved[il] = caches.read_state(il, rs_cell);
+            }
+        }
+    }
+    std::string err = run_pass(ps);
+    if (!err.empty()) {
+        return err;
+    }
+    for (const auto & [il, state] : saved) {
+        caches.write_state(il, rs_cell, state);
+    }
+
+    exact = select_exact(p, cells, N - T);
+    if (exact.empty()) {
+        return "";
+    }
+    for (llama_pos pos : exact) {
+        is_exact[pos - p.pos0] = 1;
+    }
+    llama_ridgefill_pass second = make_pass(p.seq_id, p.pos0, cells, cells_swa, is_exact, T);
+    second.fills    = false;
+    second.out_rows = p.out_rows;
+    n_probe = T;
+    return run_pass(second);
+}
+
+//
+// the late phase of a plan
+//
+
+int llama_ridgefill_context::finish() {
+    const int64_t t_start_us = ggml_time_us();
+
+    // the early phase's graphs may still run (llama_context::decode does not wait): the selector's
+    // scores are read below
+    ggml_backend_sched_synchronize(lctx.get_sched());
+
+    const llama_hparams & hparams = model.hparams;
+    const llama_ridgefill_plan p = plan;
+    plan = {};
+
+    const int32_t S        = params.split_layer;
+    const int32_t N        = p.pos_end - p.pos0;
+    const int32_t T        = std::min(params.n_tail, N);
+    const int32_t n_prefix = N - T;
+
+    auto fail = [&](const std::string & msg) {
+        llama_ridgefill_set_error("llama_decode", msg + "; the prompt's rows are removed");
+        lctx.get_memory()->seq_rm(p.seq_id, p.pos0, -1);
+        lctx.graph_forget(false);
+        cur = {};
+        return -3;
+    };
+
+    // the cells of the planned rows
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    std::vector<int64_t> cells     = llama_ridgefill_find_cells(caches.base, p.seq_id, p.pos0, N);
+    std::vector<int64_t> cells_swa = caches.swa ? llama_ridgefill_find_cells(caches.swa, p.seq_id, p.pos0, N) : std::vector<int64_t>();
+    if (std::find(cells.begin(), cells.end(), -1) != cells.end() ||
+        std::find(cells_swa.begin(), cells_swa.end(), -1) != cells_swa.end()) {
+        return fail("a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)");
+    }
+
+    // the scales measured per late layer and KV head (1: not measured)
+    uint32_t n_head_kv_max = 0;
+    for (int32_t il = S; il < n_layer; ++il) {
+        n_head_kv_max = std::max(n_head_kv_max, hparams.n_head_kv(il));
+    }
+    last_v_scales.assign((size_t) (n_layer - S)*n_head_kv_max, 1.0f);
+    last_k_scales.assign(std::min(params.n_key_rescale, T) > 0 ? (size_t) (n_layer - S)*n_head_kv_max : 0, 1.0f);
+    boundary_states.clear();
+
+    std::vector<char> is_exact(N, 0);
+    std::fill(is_exact.begin() + n_prefix, is_exact.end(), 1);
+
+    std::vector<llama_pos> exact;
+    int32_t     n_probe = 0;
+    std::string err;
+    if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && !p.exact_set) {
+        err = run_probe(p, cells, cells_swa, is_exact, exact, n_probe);
+    } else {
+        exact = select_exact(p, cells, n_prefix);
+        for (llama_pos pos : exact) {
+            is_exact[pos - p.pos0] = 1;
+        }
+        llama_ridgefill_pass ps = make_pass(p.seq_id, p.pos0, std::move(cells), std::move(cells_swa), is_exact, T);
+        ps.out_rows = p.out_rows;
+        err = run_pass(ps);
+    }
+    if (!err.empty()) {
+        return fail(err);
+    }
+    const int32_t n_x = std::count(is_exact.begin(), is_exact.end(), 1);
+
+    // the scheduler now holds the late-phase graph: the next decode builds its own
+    lctx.graph_forget(false);
+    cur = {};
+    last_exact = exact;
+
+    const double r = double(S)/n_layer + (1.0 - double(S)/n_layer)*double(n_x + n_probe)/N;
+    stats = {};
+    stats.active       = 1;
+    stats.seq_id       = p.seq_id;
+    stats.pos0         = p.pos0;
+    stats.n_prompt     = N;
+    stats.n_layer      = n_layer;
+    stats.split_layer  = S;
+    stats.n_tail       = T;
+    stats.n_exact      = (int32_t) exact.size();
+    stats.n_filled     = N - n_x;
+    stats.sel_layer    = p.exact_set ? -1 : params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE ? S : sel_layer;
+    stats.n_scale_rows = std::min(params.n_rescale, T);
+    stats.ceiling      = (float) (1.0/r);
+    stats.n_probe      = n_probe;
+    stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
+
+    // LLAMA_RIDGEFILL_TIMING=1: where the time of this prompt went
+    if (const char * env = getenv("LLAMA_RIDGEFILL_TIMING"); env && atoi(env) > 0) {
+        LLAMA_LOG_INFO("%s: RidgeFill timing: early phase %d ubatches %.1f ms (graph + launch, compute may be async); "
+                "late phase %.1f ms: %d graphs (%lld nodes), build %.1f ms, alloc %.1f ms, inputs %.1f ms, "
+                "compute %.1f ms, other %.1f ms\n", __func__, timing.n_early, timing.early_us/1000.0, stats.t_late_ms,
+                timing.n_graphs, (long long) timing.n_nodes, timing.build_us/1000.0, timing.alloc_us/1000.0,
+                timing.inputs_us/1000.0, timing.compute_us/1000.0,
+                stats.t_late_ms - (timing.build_us + timing.alloc_us + timing.inputs_us + timing.compute_us)/1000.0);
+    }
+    timing = {};
+    return 0;
+}
+
+//
+// the compute buffers
+//
+
+bool llama_ridgefill_context::reserve() {
+    const llama_hparams & hparams = model.hparams;
+    const llama_cparams & cparams = lctx.get_cparams();
+    const int32_t S = params.split_layer;
+    if (S >= n_layer) {
+        return true; // every prompt runs stock
+    }
+    const auto & capture = cparams.embeddings_layer_inp;
+    if (std::find(capture.begin(), capture.end(), true) != capture.end()) {
+        return true; // no plan begins while a layer-input capture is on; turning it off reserves again
+    }
+
+    llama_memory_context_ptr mctx = lctx.get_memory()->init_full();
+    if (!mctx) {
+        return false;
+    }
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    ggml_backend_sched_t sched = lctx.get_sched();
+    const int32_t n_tokens = (int32_t) std::min(cparams.n_ctx, cparams.n_ubatch);
+
+    // the scheduler keeps the largest buffers of the graphs it reserves
+    bool ok = true;
+    auto reserve_graph = [&](const llama_ubatch & ub, uint32_t n_outputs) {
+        ggml_cgraph * gf = build_graph(ub, mctx.get(), n_outputs);
+        ok = ok && gf && ggml_backend_sched_reserve(sched, gf);
+    };
+
+    // an early ubatch holding the selector's query rows
+    {
+        std::vector<llama_pos> pos(n_tokens);
+        std::iota(pos.begin(), pos.end(), 0);
+        const llama_ubatch ub = llama_ridgefill_make_ubatch(0, pos, false, hparams.n_pos_per_embd());
+        cur = early_graph(std::vector<int32_t>(n_tokens, 0),
+                std::vector<int32_t>(sel_layer >= 0 ? std::min(n_tokens, params.n_sel_queries) : 0, 0));
+        reserve_graph(ub, 0);
+    }
+
+    // the late graphs of the passes a plan can have, at the layers whose graphs differ: the last (with
+    // logits), the split layer (input from xs), the probe's last full-attention layer, and the first
+    // recurrent late layer. An attention layer's graph: a chunk of n_tokens exact rows with the most
+    // filled rows a prompt can have (n_ctx - 1) in their fill steps; a recurrent layer's: a chunk of
+    // n_tokens rows, half of them filled, and all exact
+    auto reserve_pass = [&](int32_t n_f, int32_t n_x, int32_t n_query) {
+        std::vector<char> is_exact(n_f + n_x, 0);
+        std::fill(is_exact.begin() + n_f, is_exact.end(), 1);
+        llama_ridgefill_pass ps = make_pass(0, 0, std::vector<int64_t>(n_f + n_x, 0),
+                std::vector<int64_t>(caches.swa ? n_f + n_x : 0, 0), is_exact, std::min(params.n_tail, n_x));
+        ps.n_query = std::min(n_query, ps.T);
+        return ps;
+    };
+    const int32_t n_query = params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE ? params.n_sel_queries : 0;
+
+    std::vector<int32_t> layers = { n_layer - 1, S };
+    for (int32_t il = n_layer - 1; il >= S && n_query > 0; --il) {
+        if (llama_ridgefill_is_full_attention(hparams, il)) {
+            layers.push_back(il);
+            break;
+        }
+    }
+    for (int32_t il = S; il < n_layer; ++il) {
+        if (hparams.is_recr(il)) {
+            layers.push_back(il);
+            break;
+        }
+    }
+    std::sort(layers.begin(), layers.end());
+    layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
+
+    llama_ridgefill_late_graph lg;
+    for (int32_t il : layers) {
+        std::vector<llama_ridgefill_pass> passes;
+        if (hparams.is_recr(il)) {
+            passes.push_back(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0));
+            passes.push_back(reserve_pass(0, n_tokens, 0));
+        } else {
+            passes.push_back(reserve_pass(std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1), n_tokens, n_query));
+        }
+        for (const auto & ps : passes) {
+            late_graph(ps, il, 0, n_tokens, lg);
+            cur = std::move(lg.rf);
+            reserve_graph(lg.ub, lg.out_idx.size());
+        }
+    }
+    res_late->reset();
+    cur = {};
+
+    // the scheduler no longer holds the previous graph; the compute buffers are what is expected now
+    lctx.graph_forget(true);
+    return ok;
+}
+
+int32_t llama_ridgefill_context::fill_chunk(int32_t n_f) const {
+    const uint32_t n_ubatch  = lctx.get_cparams().n_ubatch;
+    const int32_t  max_steps = std::max<int32_t>(1, ((int32_t) lctx.graph_max_nodes(n_ubatch)/2 - 256)/40);
+    const int32_t  n_chunk   = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
+    return std::max({ 1, n_chunk, (n_f + max_steps - 1)/max_steps });
+}

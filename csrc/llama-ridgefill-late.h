@@ -1,0 +1,50 @@
+// The late phase of a planned prompt (docs/method.md §4, §6): once every row has run the early layers,
+// a pass over the late layers, layer-major. Each pass is cut into graphs by one builder
+// (llama_ridgefill_context::late_graph), which the run, the probe pass and the compute-buffer
+// reservation share, so a graph input added there is reserved and run alike.
+#pragma once
+
+#include "llama-ridgefill-graph.h"
+
+#include "llama-batch.h"
+
+#include <utility>
+#include <vector>
+
+// one pass over the late layers: the role of every planned row
+struct llama_ridgefill_pass {
+    llama_seq_id seq_id   = 0;
+    llama_pos    pos0     = 0;
+    int32_t      N        = 0; // planned rows
+    int32_t      T        = 0; // tail rows: the last rows of the prompt, the last rows of X
+    int32_t      n_prefix = 0; // N - T
+
+    std::vector<int64_t> cells;     // [N] cell of each planned row in the full-attention cache
+    std::vector<int64_t> cells_swa; // [N] ... in the sliding-window cache (iSWA models), else empty
+
+    std::vector<int32_t> X;  // the exact rows (planned rows, ascending, the tail last)
+    std::vector<int32_t> xi; // [N] the row of each planned row among X (its row of xx), -1: filled
+
+    llama_ridgefill_fill fill; // the filled rows
+
+    bool    fills   = true; // the first graph of each attention layer writes the filled rows, after
+                            // measuring the value (and key) scale on the first tail rows
+    int32_t n_query = 0;    // probe pass: the last n_query rows of X score the prefix at every
+                            // full-attention late layer
+    bool    logits  = true; // tail rows that asked for logits get them
+    std::vector<std::pair<llama_pos, int32_t>> out_rows; // (position, batch index) of those rows
+};
+
+// one graph of a pass: late layer il on rows [c0, c1) of the rows the layer runs (the exact rows X
+// for an attention layer, every planned row in position order for a recurrent one)
+struct llama_ridgefill_late_graph {
+    int32_t il = 0;
+    int32_t c0 = 0;
+    int32_t c1 = 0;
+
+    llama_ridgefill_graph rf;        // what the model builder builds
+    llama_ubatch          ub;        // the graph's rows, no tokens
+    std::vector<uint32_t> cells;     // the cells they already occupy
+    std::vector<uint32_t> cells_swa;
+    std::vector<int32_t>  out_idx;   // batch index of each output row (-1: an output nobody asked for)
+};

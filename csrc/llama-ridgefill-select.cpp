@@ -1,0 +1,125 @@
+// The selector seam as pure functions (see llama-ridgefill-select.h).
+
+#include "llama-ridgefill-select.h"
+
+#include "ggml.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <tuple>
+#include <unordered_map>
+
+int32_t llama_ridgefill_n_selected(int32_t n_prefix, double fraction) {
+    if (n_prefix <= 0) {
+        return 0;
+    }
+    const double k = std::ceil(fraction*n_prefix - 1e-9);
+    return (int32_t) std::max(0.0, std::min<double>(n_prefix, k));
+}
+
+std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & scores, int32_t n_prefix) {
+    GGML_ASSERT((int32_t) scores.size() >= n_prefix);
+    std::vector<int32_t> order(std::max(n_prefix, 0));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return scores[a] > scores[b]; });
+    return order;
+}
+
+std::vector<int32_t> llama_ridgefill_protected_rows(const std::vector<llama_token> & tokens, llama_pos pos0,
+        int32_t n_prefix, int32_t classes, const llama_ridgefill_piece_fn & piece) {
+    const int32_t N = (int32_t) tokens.size();
+    std::unordered_map<llama_token, int32_t> count;
+    for (llama_token t : tokens) {
+        if (t != LLAMA_TOKEN_NULL) {
+            count[t]++;
+        }
+    }
+    auto text_of = [&](llama_token t) -> llama_ridgefill_piece {
+        return t == LLAMA_TOKEN_NULL ? llama_ridgefill_piece() : piece(t);
+    };
+
+    struct cand { int32_t rank; int32_t count; int32_t j; };
+    std::vector<cand> cands;
+    for (int32_t j = 0; j < std::min(n_prefix, N); ++j) {
+        const llama_token           t  = tokens[j];
+        const llama_ridgefill_piece pc = text_of(t);
+        int32_t cls = 0;
+        if (pos0 + j < LLAMA_RIDGEFILL_N_SINK) {
+            cls |= LLAMA_RIDGEFILL_CLASS_SINK;
+        }
+        if (pc.text && !pc.control) {
+            const std::string & s = *pc.text;
+            if (std::any_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+                cls |= LLAMA_RIDGEFILL_CLASS_DIGIT;
+            }
+            if (count[t] == 1) {
+                cls |= LLAMA_RIDGEFILL_CLASS_RARE;
+            }
+            if (j > 0) {
+                const llama_ridgefill_piece prev = text_of(tokens[j - 1]);
+                if (prev.text && !prev.text->empty() && prev.text->back() == '\n') {
+                    cls |= LLAMA_RIDGEFILL_CLASS_LINE_START;
+                }
+            }
+        }
+        cls &= classes;
+        if (cls) {
+            const int32_t rank = (cls & LLAMA_RIDGEFILL_CLASS_SINK)  ? 0 :
+                                 (cls & LLAMA_RIDGEFILL_CLASS_DIGIT) ? 1 :
+                                 (cls & LLAMA_RIDGEFILL_CLASS_RARE)  ? 2 : 3;
+            cands.push_back({ rank, pc.text ? count[t] : 0, j });
+        }
+    }
+    std::sort(cands.begin(), cands.end(), [](const cand & a, const cand & b) {
+        return std::tie(a.rank, a.count, a.j) < std::tie(b.rank, b.count, b.j);
+    });
+    std::vector<int32_t> rows;
+    rows.reserve(cands.size());
+    for (const cand & c : cands) {
+        rows.push_back(c.j);
+    }
+    return rows;
+}
+
+std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_input & in) {
+    const int32_t k = llama_ridgefill_n_selected(in.n_prefix, in.fraction);
+
+    // the first k distinct rows of the lists, in turn
+    std::vector<char>      chosen(std::max(in.n_prefix, 0), 0);
+    std::vector<llama_pos> exact;
+    auto take = [&](const std::vector<int32_t> & rows) {
+        for (size_t i = 0; i < rows.size() && (int32_t) exact.size() < k; ++i) {
+            if (!chosen[rows[i]]) {
+                chosen[rows[i]] = 1;
+                exact.push_back(in.pos0 + rows[i]);
+            }
+        }
+    };
+    auto by_score = [&]() { return llama_ridgefill_rows_by_score(in.scores, in.n_prefix); };
+    auto protect  = [&]() { return llama_ridgefill_protected_rows(in.tokens, in.pos0, in.n_prefix, in.classes, in.piece); };
+
+    switch (in.selector) {
+        case LLAMA_RIDGEFILL_SELECTOR_NONE:
+            break;
+        case LLAMA_RIDGEFILL_SELECTOR_ATTENTION:
+        case LLAMA_RIDGEFILL_SELECTOR_PROBE:
+            if (in.has_scores) {
+                take(by_score());
+            }
+            break;
+        case LLAMA_RIDGEFILL_SELECTOR_PROTECTED:
+            take(protect());
+            break;
+        case LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED:
+            take(protect());
+            if (in.has_scores) {
+                take(by_score());
+            }
+            break;
+        default:
+            GGML_ABORT("unknown selector %d", in.selector);
+    }
+    std::sort(exact.begin(), exact.end());
+    return exact;
+}
