@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -37,6 +38,16 @@ STAMP = ".ridgefill-stamp.json"
 
 class FetchError(RuntimeError):
     pass
+
+
+def _files_module():
+    """``ridgefill_cpp.files`` (the package's atomic write), loaded from the source tree by path: this
+    script runs while the package is being built, before ``import ridgefill_cpp`` (which loads the
+    native libraries) can work. The module needs only the standard library."""
+    spec = importlib.util.spec_from_file_location("_ridgefill_files", REPO / "ridgefill_cpp" / "files.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def default_cache_dir() -> Path:
@@ -171,9 +182,7 @@ def prepare(dest: Path, cache: Path) -> Path:
         tree = unpack_llama_cpp(sdist, pin, Path(tmp) / "llama.cpp")
         apply_patches(tree, patches)
         n = sync_tree(tree, dest)
-    tmp_stamp = stamp_path.with_suffix(".tmp")
-    tmp_stamp.write_text(json.dumps(stamp, indent=2) + "\n")
-    os.replace(tmp_stamp, stamp_path)
+    _files_module().write_bytes(stamp_path, (json.dumps(stamp, indent=2) + "\n").encode())
     print(f"fetch_llama_cpp: {len(patches)} patch(es) applied, {n} file(s) updated in {dest}", file=sys.stderr)
     return dest
 

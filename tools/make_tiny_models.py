@@ -60,6 +60,7 @@ from tiny_gguf import (  # noqa: E402,F401  (the tokenizer, writer and weights e
     tokenizer_vocab,
     write_and_close,
 )
+from tiny_qwen35 import build_qwen35  # noqa: E402  (the hybrid's builder)
 
 # --------------------------------------------------------------------------------------------
 # dense architectures (llama, qwen3, gemma3)
@@ -231,8 +232,6 @@ def make_tiny_model(arch: str, path: os.PathLike[str] | str, seed: int = 0, **ov
     """
     path = pathlib.Path(path)
     if arch == "qwen35":
-        from tiny_qwen35 import build_qwen35  # noqa: PLC0415 (only needed for qwen35)
-
         return pathlib.Path(build_qwen35(path, seed, **overrides))
     if arch not in DENSE_ARCHS:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHS)}")

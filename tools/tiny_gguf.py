@@ -1,7 +1,8 @@
 """What every tiny test model shares: the small SentencePiece-style vocabulary (with byte fallback,
 so llama.cpp tokenizes any UTF-8 text), a GGUF writer with the general and tokenizer keys, and an
-atomic write. The architecture builders (``make_tiny_models.py`` for the dense ones,
-``tiny_qwen35.py`` for the Gated DeltaNet hybrid) import it; it imports neither.
+atomic write (the package's, :func:`ridgefill_cpp.files.atomic_path`). The architecture builders
+(``make_tiny_models.py`` for the dense ones, ``tiny_qwen35.py`` for the Gated DeltaNet hybrid)
+import it; it imports neither.
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 
 import gguf
+from ridgefill_cpp.files import atomic_path
 
 # --------------------------------------------------------------------------------------------
 # tokenizer
@@ -104,29 +105,19 @@ def new_writer(path: os.PathLike[str] | str, arch: str) -> gguf.GGUFWriter:
 
 
 def write_and_close(writer: gguf.GGUFWriter, path: os.PathLike[str] | str) -> pathlib.Path:
-    """Write header, key/values and tensors of `writer` to `path`, atomically.
-
-    The file is written to a temporary file in the same directory and moved into place with
-    ``os.replace``, so `path` never holds a half-written model. Returns `path` as a Path.
+    """Write header, key/values and tensors of `writer` to `path`, atomically
+    (:func:`ridgefill_cpp.files.atomic_path`: a temporary file in the same directory, renamed into
+    place once complete), so `path` never holds a half-written model. Returns `path` as a Path.
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = pathlib.Path(tmp_name)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        try:
+            writer.write_header_to_file(path=pathlib.Path(tmp))
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
     return path
 
 
