@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import types
+from importlib.metadata import distribution
 from pathlib import Path
 
 _LIB_NAME = "libllama.so" if sys.platform.startswith("linux") else (
@@ -34,8 +35,6 @@ def _candidate_dirs() -> list[Path]:
     dirs.append(here / "lib")
     # running from a source checkout (PYTHONPATH=repo): use the installed native build
     try:
-        from importlib.metadata import distribution
-
         dist = distribution("ridgefill-cpp")
         dirs.append(Path(dist.locate_file("ridgefill_cpp/lib")))
     except Exception:
@@ -70,7 +69,7 @@ def _install_llama_cpp_hooks() -> None:
             )
         return
     os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
-    import llama_cpp
+    import llama_cpp  # here, by design: only once the variable above says which libllama to load
     from llama_cpp._ctypes_extensions import load_shared_library
 
     ggml = types.ModuleType("llama_cpp._ggml", "libggml of the ridgefill-cpp build (replaces llama_cpp/_ggml.py)")
@@ -187,28 +186,8 @@ def llama_ridgefill_maps_predict(maps, il: int, xs, n_rows: int, out, /) -> int:
 def llama_ridgefill_last_error() -> bytes: ...
 
 
-# enum llama_ridgefill_selector
-LLAMA_RIDGEFILL_SELECTOR_NONE = 0
-LLAMA_RIDGEFILL_SELECTOR_ATTENTION = 1
-LLAMA_RIDGEFILL_SELECTOR_PROBE = 2
-LLAMA_RIDGEFILL_SELECTOR_PROTECTED = 3
-LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED = 4
-
-# enum llama_ridgefill_token_class (protected selector, a bit mask)
-LLAMA_RIDGEFILL_CLASS_DIGIT = 1
-LLAMA_RIDGEFILL_CLASS_RARE = 2
-LLAMA_RIDGEFILL_CLASS_LINE_START = 4
-LLAMA_RIDGEFILL_CLASS_SINK = 8
-
-# enum llama_ridgefill_splice (diagnostics: the splice test)
-LLAMA_RIDGEFILL_SPLICE_NONE = 0
-LLAMA_RIDGEFILL_SPLICE_K = 1
-LLAMA_RIDGEFILL_SPLICE_V = 2
-LLAMA_RIDGEFILL_SPLICE_KV = 3
-
-# enum llama_ridgefill_state_correction
-LLAMA_RIDGEFILL_STATE_CORRECTION_NONE = 0
-LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN = 1
+# the enums of llama_ridgefill_params (selector, token classes, splice, state correction): their
+# values are the tables of ridgefill_cpp.settings (SELECTORS, TOKEN_CLASSES, SPLICES, STATE_CORRECTIONS)
 
 
 # struct llama_ridgefill_params { ... };

@@ -30,7 +30,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import llama_cpp
 import numpy as np
+
+from . import capture, settings
+from .corpus import default_documents
+from .fit import bos_prefix, calibration_tokens
+from .gguf_copy import first_layers_gguf
+from .gguf_model import read_model_info
+from .mapfile import map_file_splits
+from .models import cache_dir
+from .prefill import RidgeFill
 
 STOCK = "stock"
 RIDGEFILL = "ridgefill"
@@ -94,8 +104,6 @@ class BenchResult:
 
 
 def last_logits(llm) -> np.ndarray:
-    import llama_cpp
-
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
 
 
@@ -123,9 +131,6 @@ def greedy_continuation(llm, first_logits: np.ndarray, n: int) -> list[int]:
 
 def prompt_tokens(llm, n: int) -> list[int]:
     """``n`` prompt tokens of the evaluation split of the default corpus (BOS first when the model uses one)."""
-    from .corpus import default_documents
-    from .fit import bos_prefix, calibration_tokens
-
     bos = bos_prefix(llm)
     body = calibration_tokens(llm, default_documents("evaluation"), n - len(bos))
     if len(body) < n - len(bos):
@@ -135,9 +140,6 @@ def prompt_tokens(llm, n: int) -> list[int]:
 
 def derived_first_layers(model: os.PathLike | str, split: int) -> Path:
     """The model cut to its first ``split`` layers, cached next to the other derived files."""
-    from .gguf_copy import first_layers_gguf
-    from .models import cache_dir
-
     src = Path(model)
     out = cache_dir().parent / "derived" / f"{src.name.removesuffix('.gguf')}.first{split}.gguf"
     if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
@@ -149,29 +151,25 @@ def derived_first_layers(model: os.PathLike | str, split: int) -> Path:
 def benchmark_prefill(
     model: os.PathLike | str,
     *,
-    lengths: Sequence[int] = (2048, 4096),
+    lengths: Sequence[int] = settings.BENCH_LENGTHS,
     maps: os.PathLike | str | None = None,
     split: int | None = None,
-    tail: int = 64,
-    exact_fraction: float = 0.10,
-    selector: str = "attention",
-    value_rescale: int = 512,
-    min_prompt: int = 1024,
+    tail: int = settings.TAIL,
+    exact_fraction: float = settings.EXACT_FRACTION,
+    selector: str = settings.SELECTOR,
+    value_rescale: int = settings.VALUE_RESCALE,
+    min_prompt: int = settings.MIN_PROMPT,
     identity: bool = True,
     first_layers: bool = False,
-    greedy_tokens: int = 16,
-    repeats: int = 3,
+    greedy_tokens: int = settings.BENCH_GREEDY_TOKENS,
+    repeats: int = settings.BENCH_REPEATS,
     n_threads: int | None = None,
-    n_batch: int = 512,
+    n_batch: int = settings.N_BATCH,
     progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
     """Median prefill time of each variant for prompts of each length, measured side by side, and
-    the fill variants' quality against stock on the same prompts."""
-    from .capture import open_model
-    from .gguf_model import read_model_info
-    from .mapfile import map_file_splits
-    from .prefill import RidgeFill
-
+    the fill variants' quality against stock on the same prompts. ``selector``: a selector spec
+    (:func:`ridgefill_cpp.settings.parse_selector`, e.g. ``protected:digits+rare``)."""
     info = read_model_info(model)
     if maps is not None:
         (file_split,) = map_file_splits([maps], model)  # a map file fitted on this model (as eval, tune, serve)
@@ -190,16 +188,13 @@ def benchmark_prefill(
     if info.context_length:
         n_ctx = min(n_ctx, info.context_length)  # the longest prompt's continuation may be shorter
 
-    sel_name, _, classes = selector.partition(":")  # "protected:digits+rare": the classes
-    settings = dict(split=split, tail=tail, exact_fraction=exact_fraction, selector=sel_name,
-                    value_rescale=value_rescale, min_prompt=min_prompt)
-    if classes:
-        settings["protected"] = tuple(classes.split("+"))
+    plan = dict(split=split, tail=tail, exact_fraction=exact_fraction, value_rescale=value_rescale,
+                min_prompt=min_prompt, **settings.parse_selector(selector))
     variants: dict[str, dict] = {STOCK: {}}
     if maps is not None:
-        variants[RIDGEFILL] = {"ridgefill": RidgeFill(maps, **settings)}
+        variants[RIDGEFILL] = {"ridgefill": RidgeFill(maps, **plan)}
     if identity:
-        variants[IDENTITY] = {"ridgefill": RidgeFill(None, **settings)}
+        variants[IDENTITY] = {"ridgefill": RidgeFill(None, **plan)}
     if first_layers:
         variants[f"first {split} layers"] = {"path": derived_first_layers(model, split)}
     if len(variants) == 1:
@@ -223,7 +218,7 @@ def benchmark_prefill(
         try:
             for v in order:
                 kw = variants[v]
-                llms[v] = open_model(kw.get("path", model), n_ctx=n_ctx, n_batch=n_batch, kv_f32=False,
+                llms[v] = capture.open_model(kw.get("path", model), n_ctx=n_ctx, n_batch=n_batch, kv_f32=False,
                                      n_threads=n_threads, ridgefill=kw.get("ridgefill"))
             if not prompts:
                 prompts = {n: prompt_tokens(llms[STOCK], n) for n in lengths}

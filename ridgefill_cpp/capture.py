@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from llama_cpp import llama_cpp as C
 
-from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input  # (installs the hooks)
+from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input
+from .prefill import Llama
 
 GGML_TYPE_F32 = 0
 
@@ -30,8 +32,6 @@ def open_model(model_path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_uba
                kv_f32: bool = True, flash_attn: bool = True, n_threads: int | None = None, **kwargs):
     """A llama-cpp-python ``Llama`` on the patched library, quiet, ready for capture (``ridgefill=...``
     in `kwargs` attaches RidgeFill, :class:`ridgefill_cpp.prefill.Llama`)."""
-    from .prefill import Llama
-
     return Llama(
         model_path=str(model_path),
         n_ctx=n_ctx,
@@ -76,8 +76,6 @@ def capture_layer_inputs(
     llm = open_model(model_path, n_ctx=n_ctx, n_batch=chunk, n_ubatch=min(n_ubatch or chunk, chunk),
                      kv_f32=kv_f32, flash_attn=flash_attn, n_threads=n_threads, logits_all=all_logits)
     try:
-        from llama_cpp import llama_cpp as C
-
         ctx = llm._ctx.ctx
 
         n_layer = C.llama_model_n_layer(llm._model.model)

@@ -1,4 +1,9 @@
-"""``ridgefill-gguf``: the command line of ridgefill-cpp (typer app; formatting lives here only)."""
+"""``ridgefill-gguf``: the command line of ridgefill-cpp (typer app; formatting lives here only).
+
+Each command imports the modules it runs inside its function: ``--help``, ``--version`` and the
+light commands do not pay for numpy, torch and llama.cpp at start-up. The defaults come from
+:mod:`ridgefill_cpp.settings` (options left out are None and resolve there, through the library).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import settings
 from ._limits import MAX_THREADS  # GGML_MAX_N_THREADS: llama.cpp takes no more threads
 
 app = typer.Typer(
@@ -23,6 +29,27 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True)
+
+
+def _given(**options) -> dict:
+    """The options given on the command line (not None); the library's defaults apply to the others."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _csv(values) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+def _tuned(what: str, name: str, first: bool = False) -> str:
+    """Help text of an option ``tune`` may set in the map file: the default it resolves to."""
+    builtin = settings.TUNABLE_DEFAULTS[name]
+    return (f"{what} (default: the {'first ' if first else ''}map file's tuned value, else "
+            f"{f'{builtin:g}' if isinstance(builtin, float) else builtin}).")
+
+
+#: the selector names and the grammar of their token classes, for help texts
+_SELECTORS = f"{', '.join(list(settings.SELECTORS)[:-1])} or {list(settings.SELECTORS)[-1]}"
+_CLASSES = "+".join(settings.TOKEN_CLASSES)
 
 
 def _fail(msg: str, code: int = 1) -> None:
@@ -85,6 +112,8 @@ def main(
 
 
 def _model_table(info) -> Table:
+    from .gguf_model import supported_architectures
+
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column(overflow="fold")
@@ -111,7 +140,7 @@ def _model_table(info) -> Table:
         ("vocabulary", str(info.n_vocab)),
         ("weights", f"{info.file_type or '?'}, {info.n_params / 1e6:.1f}M parameters, {info.file_size / 2**20:.1f} MiB"),
         ("default split S", f"{info.default_split} (L - floor(L/3) = {info.n_layer} - {info.n_layer // 3})"),
-        ("RidgeFill support", "yes" if info.supported else "no (supported: llama, qwen3, gemma3, qwen35)"),
+        ("RidgeFill support", "yes" if info.supported else f"no (supported: {', '.join(supported_architectures())})"),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -270,8 +299,9 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
             out.print(f"[green]the maps fit {model}[/] (architecture, dimensions and fingerprint match)", highlight=False)
 
 
-#: the plan the state gains of ``fit`` are measured with (RidgeFill's built-in defaults)
-_GAIN_TAIL, _GAIN_FRACTION, _GAIN_SELECTOR, _GAIN_VALUE_RESCALE = 64, 0.10, "attention", 512
+#: the plan the state gains of ``fit`` are measured with: RidgeFill's built-in defaults
+_GAIN_PLAN = {"tail": settings.TAIL, "exact_fraction": settings.EXACT_FRACTION, "selector": settings.SELECTOR,
+              "value_rescale": settings.VALUE_RESCALE}
 
 
 @app.command()
@@ -286,8 +316,10 @@ def fit(
     split: Optional[str] = typer.Option(
         None, "--split", "-s", help="Split layer S (default L - floor(L/3)); maps are fitted for layers S+1..L-1. "
                                     "Several, comma-separated (e.g. 16,20,24), are fitted from one capture pass."),
-    tokens: int = typer.Option(100_000, "--tokens", "-n", min=1, help="Calibration token budget."),
-    ctx: int = typer.Option(512, "--ctx", min=8, help="Rows per calibration window (each a fresh sequence)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", "-n", min=1,
+                                         help=f"Calibration token budget (default {settings.FIT_TOKENS:,})."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=8, help="Rows per calibration window (each a fresh sequence; "
+                                                                 f"default {settings.FIT_CTX})."),
     objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
     dtype: str = typer.Option("f16", "--dtype", help="Storage type of the A matrices: f16 or f32."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads for llama.cpp."),
@@ -297,7 +329,8 @@ def fit(
         help="Hybrid models (Gated DeltaNet layers, qwen35): after the maps, fit the closed-form per-head gains of "
              "the terminal-state correction (the least-squares gain from the filled to the exact recurrent state "
              "at the prefix/tail boundary, measured by llama.cpp on calibration windows with the default plan: "
-             f"T = {_GAIN_TAIL}, 10% exact rows, attention selector) and store them in the map file, for "
+             f"T = {settings.TAIL}, {settings.EXACT_FRACTION:.0%} exact rows, {settings.SELECTOR} selector) and store "
+             "them in the map file, for "
              "RidgeFill(state_correction=\"gain\"). Default: on when the model has recurrent layers above the split; "
              "ignored, with a note, otherwise."),
     state_gain_windows: int = typer.Option(
@@ -313,6 +346,8 @@ def fit(
     from .gguf_model import GGUFFileError, read_model_info
     from .mapfile import write_map_file
 
+    tokens = settings.FIT_TOKENS if tokens is None else tokens
+    ctx = settings.FIT_CTX if ctx is None else ctx
     if dtype not in ("f16", "f32"):
         _fail(f"--dtype must be f16 or f32, not {dtype!r}")
     if objective not in ("normalized", "raw"):
@@ -340,8 +375,8 @@ def fit(
     if state_gains and not gain_splits:
         out.print(f"note: --state-gains ignored: {info.architecture} has no recurrent (Gated DeltaNet) layer above "
                   f"the split", highlight=False)
-    if gain_splits and ctx <= _GAIN_TAIL:
-        _fail(f"--ctx {ctx}: the state gains need calibration windows longer than the tail ({_GAIN_TAIL}); "
+    if gain_splits and ctx <= settings.TAIL:
+        _fail(f"--ctx {ctx}: the state gains need calibration windows longer than the tail ({settings.TAIL}); "
               f"use a larger --ctx or --no-state-gains")
     if calibration:
         try:
@@ -398,16 +433,16 @@ def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ct
                   TimeRemainingColumn(), console=err, transient=False) as bar:
         task = bar.add_task("gains", total=2 * len(windows))
         try:
-            gains = fit_state_gains(model, path, windows, tail=_GAIN_TAIL, fraction=_GAIN_FRACTION,
-                                    selector=_GAIN_SELECTOR, value_rescale=_GAIN_VALUE_RESCALE, n_threads=threads,
+            gains = fit_state_gains(model, path, windows, tail=_GAIN_PLAN["tail"],
+                                    fraction=_GAIN_PLAN["exact_fraction"], selector=_GAIN_PLAN["selector"],
+                                    value_rescale=_GAIN_PLAN["value_rescale"], n_threads=threads,
                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
         except FitError as e:
             _fail(f"state gains: {e} (the maps in {path} are written, without gains)")
-    add_state_gains(path, gains, settings={
-        "tail": _GAIN_TAIL, "exact_fraction": _GAIN_FRACTION, "selector": _GAIN_SELECTOR,
-        "value_rescale": _GAIN_VALUE_RESCALE, "windows": len(windows), "window_rows": max(len(w) for w in windows)})
-    t = Table(title=f"terminal-state gains ({len(windows)} windows of {ctx}; T = {_GAIN_TAIL}, "
-                    f"{_GAIN_FRACTION:.0%} exact rows, {_GAIN_SELECTOR} selector)")
+    add_state_gains(path, gains, settings={**_GAIN_PLAN, "windows": len(windows),
+                                           "window_rows": max(len(w) for w in windows)})
+    t = Table(title=f"terminal-state gains ({len(windows)} windows of {ctx}; T = {_GAIN_PLAN['tail']}, "
+                    f"{_GAIN_PLAN['exact_fraction']:.0%} exact rows, {_GAIN_PLAN['selector']} selector)")
     for col in ("layer", "heads", "min", "mean", "max"):
         t.add_column(col, justify="right")
     for il, g in sorted(gains.items()):
@@ -431,18 +466,16 @@ def _read_text_option(text: Optional[list[Path]]) -> Optional[dict[str, list[tup
     return {"text": [(d.name, d.text) for d in found]}
 
 
-def _check_prefill_args(model: Path, lengths: str, selector: str) -> list[int]:
-    """The --lengths list, after checking it, --selector and the model file (bench, eval)."""
+def _check_prefill_args(model: Path, lengths: Optional[str], selector: str) -> Optional[list[int]]:
+    """The --lengths list (None: not given), after checking it, --selector and the model file (bench, eval)."""
     from .gguf_model import GGUFFileError, read_model_info
 
     try:
-        ns = [int(x) for x in lengths.split(",") if x.strip()]
+        ns = None if lengths is None else [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
         _fail(f"--lengths must be comma-separated integers, not {lengths!r}")
-    from .evaluate import parse_selector
-
     try:
-        parse_selector(selector)
+        settings.parse_selector(selector)
     except ValueError as e:
         _fail(f"--selector: {e}")
     try:
@@ -461,17 +494,15 @@ def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: 
     from .prefill import RidgeFill
 
     given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector}
-    resolved, origin = dict(RidgeFill.BUILTIN_DEFAULTS), {}
+    tuned = None
     if maps is not None and None in given.values():
         try:
-            rf = RidgeFill(maps)
+            tuned = RidgeFill(maps).tuned  # (RidgeFill checks the file and its tuned values)
         except (MapFileError, ValueError) as e:
             _fail(str(e))
-        resolved = {k: getattr(rf, k) for k in given}
-        origin = rf.origin
-    value = {k: v if v is not None else resolved[k] for k, v in given.items()}
+    value, origin = settings.resolve_tunable(given, tuned)
     from_file = [f"{k} {value[k]:g}" if k == "exact_fraction" else f"{k} {value[k]}"
-                 for k, v in given.items() if v is None and origin.get(k) == "map file"]
+                 for k in given if origin[k] == "map file"]
     if from_file:
         err.print(f"the map file's tuned defaults: {', '.join(from_file)} (give the option to override)", highlight=False)
     return int(value["tail"]), float(value["exact_fraction"]), str(value["selector"])
@@ -481,19 +512,20 @@ def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: 
 def bench(
     model: Path = typer.Argument(..., help="The model GGUF to time (never modified)."),
     maps: Optional[Path] = typer.Option(None, "--maps", "-m", help="Map file of `fit`: times RidgeFill with ridge maps (its split is used)."),
-    lengths: str = typer.Option("2048,4096", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", "-l", help="Prompt lengths in tokens, comma-separated "
+                                                                        f"(default {_csv(settings.BENCH_LENGTHS)})."),
     split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S without maps (default L - floor(L/3); with maps: the file's)."),
-    tail: Optional[int] = typer.Option(None, "--tail", min=1, help="T: the last prompt rows, always exact (default: the map file's tuned value, else 64)."),
-    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact (default: the map file's tuned value, else 0.1)."),
-    selector: Optional[str] = typer.Option(None, "--selector", help="Exact-row selector: attention, attention+protected (protected rows, then attention), probe (late-layer attention of the tail, one extra pass), protected[:sink+digits+rare+line_start] (row classes) or none (default: the map file's tuned value, else attention)."),
-    value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
-    min_prompt: int = typer.Option(1024, "--min-prompt", min=0, help="Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill)."),
+    tail: Optional[int] = typer.Option(None, "--tail", min=1, help=_tuned("T: the last prompt rows, always exact", "tail")),
+    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction")),
+    selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS} (attention+protected: the protected rows, then attention; probe: the late-layer attention of the tail, one extra pass; protected: row classes, protected:{_CLASSES} names them)", "selector")),
+    value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
+    min_prompt: Optional[int] = typer.Option(None, "--min-prompt", min=0, help=f"Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill; default {settings.MIN_PROMPT})."),
     identity: bool = typer.Option(True, "--identity/--no-identity", help="Also time identity fill at the same settings."),
     first_layers: bool = typer.Option(False, "--first-layers", help="Also time the model cut to its first S layers: the physical ceiling of skipping late layers."),
-    greedy_tokens: int = typer.Option(16, "--greedy-tokens", min=0, help="Greedy continuation length compared with stock's (0: none)."),
-    repeats: int = typer.Option(3, "--repeats", "-r", min=1, help="Timed prefills per variant and length (median reported)."),
+    greedy_tokens: Optional[int] = typer.Option(None, "--greedy-tokens", min=0, help=f"Greedy continuation length compared with stock's (0: none; default {settings.BENCH_GREEDY_TOKENS})."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", "-r", min=1, help=f"Timed prefills per variant and length (median reported; default {settings.BENCH_REPEATS})."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (the same for every variant)."),
-    n_batch: int = typer.Option(512, "--n-batch", min=1, help="llama.cpp batch (and ubatch) size."),
+    n_batch: Optional[int] = typer.Option(None, "--n-batch", min=1, help=f"llama.cpp batch (and ubatch) size (default {settings.N_BATCH})."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing and quality figure to this JSON file."),
 ) -> None:
     """Time prefill side by side in one process, alternated and repeated: stock against RidgeFill with
@@ -513,11 +545,11 @@ def bench(
     with Progress(TextColumn("timing prefill"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=err) as bar:
         task = bar.add_task("bench", total=None)
         try:
-            res = benchmark_prefill(model, lengths=ns, maps=maps, split=split, tail=tail, exact_fraction=exact_fraction,
-                                    selector=selector, value_rescale=value_rescale, min_prompt=min_prompt,
-                                    identity=identity, first_layers=first_layers, greedy_tokens=greedy_tokens,
-                                    repeats=repeats, n_threads=threads, n_batch=n_batch,
-                                    progress=lambda d, t: bar.update(task, completed=d, total=t))
+            res = benchmark_prefill(model, maps=maps, split=split, tail=tail, exact_fraction=exact_fraction,
+                                    selector=selector, identity=identity, first_layers=first_layers, n_threads=threads,
+                                    progress=lambda d, t: bar.update(task, completed=d, total=t),
+                                    **_given(lengths=ns, value_rescale=value_rescale, min_prompt=min_prompt,
+                                             greedy_tokens=greedy_tokens, repeats=repeats, n_batch=n_batch))
         except (ValueError, MapFileError) as e:
             _fail(str(e))
     others = [v for v in res.variants if v != STOCK]
@@ -564,16 +596,17 @@ def eval_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
     maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
-    lengths: str = typer.Option("2048", "--lengths", "-l", help="Prompt lengths in tokens, comma-separated."),
-    tail: Optional[int] = typer.Option(None, "--tail", min=1, help="T: the last prompt rows, exact; their next-token losses are scored (default: the first map file's tuned value, else 64)."),
-    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help="Share of the prefix rows the selector keeps exact (default: the first map file's tuned value, else 0.1)."),
-    selector: Optional[str] = typer.Option(None, "--selector", help="Exact-row selector of the fill variants: attention, attention+protected, probe, protected (optionally :CLASS+CLASS of sink, digits, rare, line_start) or none (default: the first map file's tuned value, else attention)."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", "-l", help="Prompt lengths in tokens, comma-separated "
+                                          f"(default {_csv(settings.EVAL_LENGTHS)}; --quick: {_csv(settings.EVAL_QUICK['lengths'])})."),
+    tail: Optional[int] = typer.Option(None, "--tail", min=1, help=_tuned("T: the last prompt rows, exact; their next-token losses are scored", "tail", first=True)),
+    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction", first=True)),
+    selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector of the fill variants: {_SELECTORS} (protected and attention+protected optionally :CLASS+CLASS of {', '.join(settings.TOKEN_CLASSES)})", "selector", first=True)),
     selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,protected:rare); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
-    value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off)."),
-    docs: Optional[int] = typer.Option(None, "--docs", min=2, help="Documents per length (default 12; --quick: 4)."),
-    key_rescale: int = typer.Option(0, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows."),
+    value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
+    docs: Optional[int] = typer.Option(None, "--docs", min=2, help=f"Documents per length (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
+    key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help=f"c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default {settings.KEY_RESCALE}: no such variant)."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
-    quick: bool = typer.Option(False, "--quick", help="Smoke run: 1024-token prompts, 4 documents, 2 retrieval prompts per condition."),
+    quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {_csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
 ) -> None:
@@ -591,17 +624,10 @@ def eval_cmd(
     tail, exact_fraction, selector = _operating_point(maps[0] if maps else None, tail, exact_fraction, selector)
     ns = _check_prefill_args(model, lengths, selector)
     _check_output_dir(out_dir, "--out")
-    kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, value_rescale=value_rescale,
-              splice=splice, n_threads=threads, key_rescale=key_rescale,
-              selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()))
-    if docs is not None:
-        kw["n_docs"] = docs
-    if quick:
-        options = EvalOptions.quick(**kw)
-        if lengths != "2048":
-            options.lengths = ns
-    else:
-        options = EvalOptions(lengths=ns, **kw)
+    kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads,
+              selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
+              **_given(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale))
+    options = EvalOptions.quick(**kw) if quick else EvalOptions(**kw)
     texts = _read_text_option(text)
     t0 = time.perf_counter()
     with Progress(TextColumn("evaluating: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
@@ -638,15 +664,15 @@ def serve_cmd(
     identity_split: Optional[int] = typer.Option(
         None, "--identity-split", min=1, help="RidgeFill with identity fill at this split S, without maps."),
     tail: Optional[int] = typer.Option(
-        None, "--tail", min=1, help="T: the last prompt rows, always exact (default: the map file's tuned value, else 64)."),
+        None, "--tail", min=1, help=_tuned("T: the last prompt rows, always exact", "tail")),
     exact_fraction: Optional[float] = typer.Option(
         None, "--exact-fraction", min=0.0, max=1.0,
-        help="Share of the prefix rows the selector keeps exact (default: the map file's tuned value, else 0.1)."),
+        help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction")),
     selector: Optional[str] = typer.Option(
-        None, "--selector", help="Exact-row selector: attention, attention+protected, probe, protected or none "
-                                 "(default: the map file's tuned value, else attention)."),
+        None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS}", "selector")),
     min_prompt: Optional[int] = typer.Option(
-        None, "--min-prompt", min=0, help="Prompts with fewer new tokens run stock prefill (default 1024)."),
+        None, "--min-prompt", min=0,
+        help=f"Prompts with fewer new tokens run stock prefill (default {settings.MIN_PROMPT})."),
     host: str = typer.Option("127.0.0.1", "--host", help="The one address to listen on (default: loopback only)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
     api_key: Optional[str] = typer.Option(
@@ -674,16 +700,15 @@ def serve_cmd(
 
     if maps is not None and identity_split is not None:
         _fail("give --maps or --identity-split, not both")
-    settings = {k: v for k, v in dict(tail=tail, exact_fraction=exact_fraction, selector=selector,
-                                      min_prompt=min_prompt).items() if v is not None}
+    given = _given(tail=tail, exact_fraction=exact_fraction, selector=selector, min_prompt=min_prompt)
     try:
         if maps is not None:
-            rf = RidgeFill(maps, **settings)
+            rf = RidgeFill(maps, **given)
         elif identity_split is not None:
-            rf = RidgeFill.identity(identity_split, **settings)
+            rf = RidgeFill.identity(identity_split, **given)
         else:
-            if settings:
-                _fail(f"{', '.join('--' + k.replace('_', '-') for k in settings)}: RidgeFill settings need --maps "
+            if given:
+                _fail(f"{', '.join('--' + k.replace('_', '-') for k in given)}: RidgeFill settings need --maps "
                       "or --identity-split")
             rf = None
         extra = list(server_args or [])
@@ -802,9 +827,10 @@ def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads:
     from .bench import greedy_continuation, kl_divergence, last_logits, prompt_tokens
     from .prefill import RidgeFill
 
-    out.rule(f"a {n}-token prompt: stock prefill and RidgeFill (S = {split}, T = 64, attention selector 10 %)")
+    out.rule(f"a {n}-token prompt: stock prefill and RidgeFill (S = {split}, T = {settings.TAIL}, {settings.SELECTOR} "
+             f"selector {settings.EXACT_FRACTION:.0%})")
     n_gen = 16
-    kw = dict(n_ctx=n + n_gen, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=True)
+    kw = dict(n_ctx=n + n_gen, n_batch=settings.N_BATCH, n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=True)
     llms = {"stock": ridgefill_cpp.Llama(str(model), **kw),
             "RidgeFill": ridgefill_cpp.Llama(str(model), ridgefill=RidgeFill(maps_path), **kw)}
     try:
@@ -857,12 +883,12 @@ def tune_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
     maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`, one per split to search; repeat for several splits. The chosen one gets the tuned defaults."),
     budget: float = typer.Option(..., "--budget", "-b", help="Largest acceptable novel-token ΔNLL against exact prefill, in nats (e.g. 0.02)."),
-    tails: str = typer.Option("32,64,128", "--tails", help="Tails T to search, comma-separated (each below --length / 4)."),
-    fractions: str = typer.Option("0,0.05,0.1,0.2", "--fractions", help="Exact fractions to search, comma-separated, each in [0, 1]."),
-    selector: str = typer.Option("attention", "--selector", help="Exact-row selector of every setting: attention, attention+protected, probe, protected (sink + digits) or none; written into the map file with the chosen setting."),
-    length: int = typer.Option(2048, "--length", "-l", min=8, help="Prompt length of the held-out documents, in tokens."),
-    docs: int = typer.Option(8, "--docs", min=2, help="Held-out documents (the CIs are bootstrapped over them)."),
-    value_rescale: int = typer.Option(512, "--value-rescale", min=0, help="c: tail rows the value scale is measured on (0: off), the same for every setting."),
+    tails: Optional[str] = typer.Option(None, "--tails", help=f"Tails T to search, comma-separated (default {_csv(settings.TUNE_TAILS)}; each below --length / 4)."),
+    fractions: Optional[str] = typer.Option(None, "--fractions", help=f"Exact fractions to search, comma-separated, each in [0, 1] (default {_csv(settings.TUNE_FRACTIONS)})."),
+    selector: Optional[str] = typer.Option(None, "--selector", help=f"Exact-row selector of every setting: {_SELECTORS} (protected: {' + '.join(settings.PROTECTED)}; default {settings.SELECTOR}); written into the map file with the chosen setting."),
+    length: Optional[int] = typer.Option(None, "--length", "-l", min=8, help=f"Prompt length of the held-out documents, in tokens (default {settings.TUNE_LENGTH})."),
+    docs: Optional[int] = typer.Option(None, "--docs", min=2, help=f"Held-out documents (the CIs are bootstrapped over them; default {settings.TUNE_DOCS})."),
+    value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off), the same for every setting (default {settings.VALUE_RESCALE})."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Held-out text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     strict: bool = typer.Option(False, "--strict", help="Feasible only when the 95 % CI's upper bound (not the point estimate) is within the budget."),
@@ -882,19 +908,18 @@ def tune_cmd(
     from .mapfile import MapFileError
     from .tune import NoFeasibleSetting, TuneOptions, tune, write_tune_report
 
-    ts = _number_list(tails, "--tails", int)
-    fs = _number_list(fractions, "--fractions", float)
+    ts = None if tails is None else _number_list(tails, "--tails", int)
+    fs = None if fractions is None else _number_list(fractions, "--fractions", float)
     if not budget > 0:
         _fail(f"--budget must be a positive number of nats, not {budget:g}")
-    from .tune import SELECTORS as TUNE_SELECTORS
-
-    if selector not in TUNE_SELECTORS:
-        _fail(f"--selector must be one of {', '.join(TUNE_SELECTORS)}, not {selector!r}")
+    if selector is not None and selector not in settings.SELECTORS:
+        _fail(f"--selector must be one of {settings.names(settings.SELECTORS)}, not {selector!r}")
     if out_dir is not None:
         _check_output_dir(out_dir, "--out")
     texts = _read_text_option(text)
-    options = TuneOptions(tails=tuple(ts), fractions=tuple(fs), selector=selector, length=length, n_docs=docs,
-                          value_rescale=value_rescale, n_threads=threads, strict=strict)
+    options = TuneOptions(n_threads=threads, strict=strict,
+                          **_given(tails=ts and tuple(ts), fractions=fs and tuple(fs), selector=selector, length=length,
+                                   n_docs=docs, value_rescale=value_rescale))
     failure = None
     with Progress(TextColumn("tuning: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                   console=err) as bar:

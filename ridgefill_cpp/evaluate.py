@@ -25,7 +25,6 @@ files. The library never prints; ``progress(done, total, what)`` reports runs.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import statistics
 import time
@@ -35,8 +34,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import metrics
+from . import capture, metrics, settings
+from .bench import greedy_continuation
+from .corpus import default_documents, default_source_description
 from .fit import bos_prefix
+from .gguf_model import read_model_info
+from .mapfile import map_file_splits
+from .prefill import Llama, RidgeFill
 
 LICENCE_DIR = Path("/usr/share/common-licenses")
 LICENCE_NOTE = ("licence texts in /usr/share/common-licenses (Debian base-files; each licence permits verbatim "
@@ -47,45 +51,47 @@ NAMES = ("Laura", "Tomas", "Ingrid", "Mateo", "Priya", "Kofi", "Hana", "Oskar", 
 
 @dataclass
 class EvalOptions:
-    lengths: list[int] = field(default_factory=lambda: [2048])
-    tail: int = 64
-    exact_fraction: float = 0.10
-    selector: str = "attention"
-    value_rescale: int = 512
-    n_docs: int = 12                 # documents per length (spread over the kinds)
+    lengths: list[int] = field(default_factory=lambda: list(settings.EVAL_LENGTHS))
+    tail: int = settings.TAIL
+    exact_fraction: float = settings.EXACT_FRACTION
+    selector: str = settings.SELECTOR
+    value_rescale: int = settings.VALUE_RESCALE
+    n_docs: int = settings.EVAL_DOCS  # documents per length (spread over the kinds)
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
     names_per_depth: int = 2         # retrieval prompts per depth
     splice: bool = True
     n_boot: int = 2000
     seed: int = 0
     n_threads: int | None = None
-    n_batch: int = 512
+    n_batch: int = settings.N_BATCH
     min_prompt: int = 0              # fill variants run stock prefill below it (tests: exact vs exact)
-    key_rescale: int = 0             # > 0: also the variant "ridge + key rescale" (c_K rows; issue #8)
+    key_rescale: int = settings.KEY_RESCALE  # > 0: also the variant "ridge + key rescale" (c_K rows; issue #8)
     selectors: tuple[str, ...] = ()  # more selector variants of ridge at the first split ("probe",
-                                     #   "protected", "protected:digits+rare", ...; see parse_selector)
+                                     #   "protected", "protected:digits+rare", ...; settings.parse_selector)
 
     @classmethod
     def quick(cls, **kw) -> "EvalOptions":
-        """A smoke run: one length, few documents and prompts (a few minutes on SmolLM2)."""
-        base = dict(lengths=[1024], n_docs=4, depths=(0.2, 0.6), names_per_depth=1, n_boot=500)
+        """A smoke run: one length, few documents and prompts (:data:`settings.EVAL_QUICK`)."""
+        base = dict(settings.EVAL_QUICK, lengths=list(settings.EVAL_QUICK["lengths"]))
         base.update(kw)
         return cls(**base)
 
+    def check(self) -> None:
+        """Every setting that reaches RidgeFill (ValueError naming what is wrong)."""
+        for spec in (self.selector, *self.selectors):
+            settings.parse_selector(spec)
+        for name in ("tail", "exact_fraction", "value_rescale", "key_rescale", "min_prompt"):
+            settings.check(name, getattr(self, name))
+        if len(set(self.selectors)) != len(self.selectors):
+            raise ValueError(f"a selector variant is listed twice: {', '.join(self.selectors)}")
 
-def parse_selector(spec: str) -> tuple[int, int | None]:
-    """A selector spec -> (C selector, protected classes or None): ``attention``, ``probe``, ``none``,
-    ``protected`` / ``attention+protected`` (the default classes) or with ``:CLASS+CLASS`` (sink,
-    digits, rare, line_start)."""
-    from .prefill import DEFAULT_PROTECTED, SELECTORS, protected_mask
-
-    name, _, classes = spec.partition(":")
-    uses_classes = name in ("protected", "attention+protected")
-    if name not in SELECTORS or (classes and not uses_classes):
-        raise ValueError(f"selector {spec!r}: use one of {', '.join(SELECTORS)}, or protected:CLASS+CLASS")
-    if not uses_classes:
-        return SELECTORS[name], None
-    return SELECTORS[name], protected_mask(classes.split("+") if classes else DEFAULT_PROTECTED)
+    def ridgefill(self, maps: os.PathLike | str | None, split: int, selector: str | None = None,
+                  **kw) -> RidgeFill:
+        """The RidgeFill of a fill variant: these options' T, fraction, value rescale and min
+        prompt, ``selector`` (a spec; default: these options' selector) and ``kw``."""
+        return RidgeFill(maps, split=split, tail=self.tail, exact_fraction=self.exact_fraction,
+                         value_rescale=self.value_rescale, min_prompt=self.min_prompt,
+                         **settings.parse_selector(selector or self.selector), **kw)
 
 
 def lever_name(spec: str) -> str:
@@ -123,8 +129,6 @@ def licence_documents() -> list[tuple[str, str]]:
 
 def default_texts() -> dict[str, list[tuple[str, str]]]:
     """kind -> [(name, text)] of the default evaluation texts, in a fixed order."""
-    from .corpus import default_documents
-
     docs: dict[str, list[tuple[str, str]]] = {k: [] for k in KINDS}
     for d in default_documents("evaluation"):
         docs["documentation" if d.kind == "prose" else "code"].append((d.name, d.text))
@@ -135,8 +139,6 @@ def default_texts() -> dict[str, list[tuple[str, str]]]:
 def text_sources(texts: dict[str, list[tuple[str, str]]]) -> list[str]:
     out = []
     if "documentation" in texts or "code" in texts:
-        from .corpus import default_source_description
-
         out.append(default_source_description("evaluation"))
     if "prose" in texts:
         out.append(LICENCE_NOTE)
@@ -179,99 +181,34 @@ def build_documents(tokenize: Callable[[str], list[int]], bos: list[int], texts:
 # prefill with tail logits
 
 
-class _Runner:
-    """One context of the model; RidgeFill attached and detached per run through the C API."""
-
-    def __init__(self, model: os.PathLike | str, info, n_ctx: int, options: EvalOptions):
-        from . import _native as N
-        from .prefill import Llama
-
-        self.N = N
-        self.info = info
-        self.llm = Llama(str(model), n_ctx=n_ctx, n_batch=options.n_batch, n_ubatch=options.n_batch,
-                         n_threads=options.n_threads, n_threads_batch=options.n_threads, verbose=False,
-                         flash_attn=True, swa_full=True if self.info.architecture == "gemma3" else None)
-        self.ctx = self.llm._ctx.ctx
-        self.n_vocab = self.llm.n_vocab()
-        self.maps: dict[str, object] = {}
-
-    def close(self) -> None:
-        self.N.llama_ridgefill_detach(self.ctx)
-        for m in self.maps.values():
-            m.close()
-        self.llm.close()
-
-    def native_maps(self, path):
-        from .native_maps import NativeMaps
-
-        key = str(path)
-        if key not in self.maps:
-            self.maps[key] = NativeMaps(self.llm._model.model, path, model_path=self.info.path)
-        return self.maps[key]
-
-    def attach(self, maps_path, split: int, options: EvalOptions, selector: str | None = None, splice: int = 0,
-               key_rescale: int = 0) -> None:
-        N = self.N
-        p = N.llama_ridgefill_default_params()
-        p.split_layer = split
-        p.n_tail = options.tail
-        p.exact_fraction = options.exact_fraction
-        p.selector, classes = parse_selector(selector or options.selector)
-        if classes is not None:
-            p.protected_classes = classes
-        p.n_rescale = options.value_rescale
-        p.min_prompt = options.min_prompt
-        p.splice = splice
-        p.n_key_rescale = key_rescale
-        maps = self.native_maps(maps_path).handle if maps_path is not None else None
-        if N.llama_ridgefill_attach(self.ctx, maps, p) != 0:
-            raise ValueError(N.llama_ridgefill_last_error().decode(errors="replace"))
-
-    def detach(self) -> None:
-        self.N.llama_ridgefill_detach(self.ctx)
-
-    def clear_cells(self) -> None:
-        """Forget the cache's cells but keep their data (the splice test's exact K/V)."""
-        import llama_cpp
-
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), False)
-        self.llm.reset()
-
-    def prefill(self, tokens: Sequence[int], n_logits: int, plan: bool) -> tuple[np.ndarray, float]:
-        """Prefill ``tokens`` (a fresh sequence) and return the logits of the last ``n_logits`` rows
-        [n_logits, n_vocab] and the prefill time. ``plan``: through RidgeFill (attached)."""
-        import llama_cpp
-
-        llm, n = self.llm, len(tokens)
-        cut = n - n_logits
-        llm.reset()
-        t0 = time.perf_counter()
-        if plan:
-            rc = self.N.llama_ridgefill_begin(self.ctx, 0, 0, n)
-            if rc < 0:
-                raise RuntimeError(self.N.llama_ridgefill_last_error().decode(errors="replace"))
-        if cut > 0:
-            llama_cpp.Llama.eval(llm, list(tokens[:cut]))
-        llm._batch.set_batch(batch=list(tokens[cut:]), n_past=cut, logits_all=True)
-        llm._ctx.decode(llm._batch)
-        dt = time.perf_counter() - t0
-        llm.input_ids[cut:n] = tokens[cut:]
-        llm.n_tokens = n
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(n_logits, self.n_vocab)).copy()
-        return logits, dt
-
-    def greedy(self, first_logits: np.ndarray, n: int) -> str:
-        from .bench import greedy_continuation
-
-        toks = greedy_continuation(self.llm, first_logits, n)
-        return self.llm.detokenize(toks).decode(errors="replace")
+def open_context(model: os.PathLike | str, n_ctx: int, n_batch: int, n_threads: int | None,
+                 ridgefill: RidgeFill) -> Llama:
+    """The one context ``eval`` and ``tune`` measure every variant in (F16 cache, flash attention),
+    created with ``ridgefill`` attached (so that it is fit for RidgeFill: gemma3 gets ``swa_full``);
+    each run then sets its own settings (:func:`timed_prefill`)."""
+    return capture.open_model(model, n_ctx=n_ctx, n_batch=n_batch, kv_f32=False, n_threads=n_threads,
+                              ridgefill=ridgefill)
 
 
-def _nll(logits: np.ndarray, targets: Sequence[int]) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max(axis=1, keepdims=True)
-    lse = np.log(np.exp(x).sum(axis=1))
-    return lse - x[np.arange(len(targets)), np.asarray(targets)]
+def timed_prefill(llm: Llama, ridgefill: RidgeFill | None, tokens: Sequence[int],
+                  n_logits: int) -> tuple[np.ndarray, float]:
+    """Prefill ``tokens`` as a fresh sequence (:meth:`Llama.reset`) with ``ridgefill`` (None: exact
+    prefill; set unless it is already the one in use): the logits of the last ``n_logits`` rows
+    [n_logits, n_vocab] and the seconds it took."""
+    if llm.ridgefill is not ridgefill:
+        llm.set_ridgefill(ridgefill)
+    llm.reset()
+    t0 = time.perf_counter()
+    logits = llm.prefill(tokens, n_logits)
+    return logits, time.perf_counter() - t0
+
+
+def plan_summary(llm: Llama, split: int) -> dict:
+    """The ceiling and exact / filled rows of the last prefill (ceiling 1 when it ran stock)."""
+    st = llm.ridgefill_stats
+    if not st:
+        return {"ceiling": 1.0, "split": split}
+    return {"ceiling": float(st["ceiling"]), "n_exact": st["n_exact"], "n_filled": st["n_filled"], "split": split}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,23 +257,10 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
              progress: Callable[[int, int, str], None] | None = None) -> EvalResult:
     """Run the evaluation (see the module docstring). ``maps``: one map file, or several (one per
     split: the first is the main setting, the others form the split sweep)."""
-    from ._limits import check_fraction, check_int
-    from .gguf_model import read_model_info
-    from .mapfile import map_file_splits
-
     options = options or EvalOptions()
     if not maps:
         raise ValueError("eval needs a map file (--maps)")
-    for spec in (options.selector, *options.selectors):
-        parse_selector(spec)
-    # what reaches the C parameters of every attach (int32: no silent wrap-around)
-    check_int("tail", options.tail, 1)
-    check_fraction("exact_fraction", options.exact_fraction)
-    check_int("value_rescale", options.value_rescale, 0, hint="; 0 is off")
-    check_int("key_rescale", options.key_rescale, 0, hint="; 0 is off")
-    check_int("min_prompt", options.min_prompt, 0)
-    if len(set(options.selectors)) != len(options.selectors):
-        raise ValueError(f"a selector variant is listed twice: {', '.join(options.selectors)}")
+    options.check()  # what reaches the C parameters of every prefill (int32: no silent wrap-around)
     info = read_model_info(model)
     splits = map_file_splits(maps, model)
     lengths = sorted({int(n) for n in options.lengths})
@@ -355,12 +279,20 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     T = options.tail
     # hybrids: the late recurrent layers, whose boundary state the splice test also replaces
     rec_layers = [il for il in info.recurrent_layers if il >= S0]
-    n_splice = (2 + bool(rec_layers)) if options.splice else 0
-    # exact, cut, ridge, identity, sweep, key rescale, (exact + splice) x (K, V[, state])
-    per_doc_runs = 4 + len(splits) - 1 + (options.key_rescale > 0) + len(options.selectors) + 2 * n_splice
-    conditions = ["exact", "ridge, planted row filled", "ridge, attention selector", "identity, planted row filled",
-                  "identity, attention selector"]
-    conditions += [lever_name(spec) for spec in options.selectors if lever_name(spec) not in conditions]
+    # the fill variants (name -> RidgeFill), in the order each document runs them
+    ridge = options.ridgefill(maps[0], S0)
+    fills = {"ridge": ridge, "identity": options.ridgefill(None, S0)}
+    fills.update({_variant_name(s, S0): options.ridgefill(m, s) for m, s in zip(maps[1:], splits[1:])})
+    if options.key_rescale > 0:
+        fills["ridge + key rescale"] = options.ridgefill(maps[0], S0, key_rescale=options.key_rescale)
+    fills.update({lever_name(x): options.ridgefill(maps[0], S0, x) for x in options.selectors})
+    levers = (["ridge + key rescale"] if options.key_rescale > 0 else []) + [lever_name(x) for x in options.selectors]
+    splices = {"ridge, exact K": options.ridgefill(maps[0], S0, splice="K"),
+               "ridge, exact V": options.ridgefill(maps[0], S0, splice="V")} if options.splice else {}
+    variants = list(fills) + list(splices) + (["ridge, exact state"] if options.splice and rec_layers else [])
+    # exact, cut, the fills, (exact + splice) x (K, V[, state])
+    per_doc_runs = 2 + len(fills) + 2 * (len(variants) - len(fills))
+    conditions = _retrieval_conditions(options, maps[0], S0)
     n_retr = len(options.depths) * options.names_per_depth
     total = len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions))
     done = 0
@@ -371,101 +303,78 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
         if progress:
             progress(done, total, what)
 
-    run = _Runner(model, info, lengths[-1] + 16, options)
+    llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge)
     try:
-        bos = bos_prefix(run.llm)
+        bos = bos_prefix(llm)
 
         def tokenize(text: str) -> list[int]:
-            return run.llm.tokenize(text.encode(), add_bos=False, special=False)
+            return llm.tokenize(text.encode(), add_bos=False, special=False)
 
         for n in lengths:
             key = str(n)
             docs = build_documents(tokenize, bos, texts, n, options.n_docs)
             kc = metrics.scaled_key_cut(info.context_length or n, n - T)
             res.key_cut[key] = {"k": kc.k, "note": kc.note}
-            variants = ["ridge", "identity"] + [_variant_name(s, S0) for s in splits[1:]]
-            if options.key_rescale > 0:
-                variants.append("ridge + key rescale")
-            levers = (["ridge + key rescale"] if options.key_rescale > 0 else []) + [lever_name(x) for x in options.selectors]
-            variants += [lever_name(x) for x in options.selectors]
-            if options.splice:
-                variants += ["ridge, exact K", "ridge, exact V"] + (["ridge, exact state"] if rec_layers else [])
             recs = {v: [] for v in ["exact"] + variants}
             times = {v: [] for v in ["exact"] + variants}
             plans: dict[str, dict] = {}
             for d in docs:
                 prompt, targets = d.tokens[:n], d.tokens[n - T + 1:n + 1]
                 novel = metrics.novel_token_mask(d.tokens, n - T + 1)
-                run.detach()
-                logits, dt = run.prefill(prompt, T, plan=False)
-                nll_exact = _nll(logits, targets)
+                logits, dt = timed_prefill(llm, None, prompt, T)
+                nll_exact = metrics.nll(logits, targets)
                 times["exact"].append(dt)
                 tick("exact")
                 cut_tokens = bos + prompt[n - T - kc.k + 1:] if kc.k < n - T else prompt
-                logits, _ = run.prefill(cut_tokens, T, plan=False)
-                nll_cut = _nll(logits, targets)
+                logits, _ = timed_prefill(llm, None, cut_tokens, T)
+                nll_cut = metrics.nll(logits, targets)
                 keym = metrics.key_token_mask(nll_exact, nll_cut)
                 tick("cut context")
                 masks = {"all": None, "novel": novel, "key": keym}
                 recs["exact"].append({"doc": d.name, "kind": d.kind, "n_novel": int(novel.sum()), "n_key": int(keym.sum()),
                                       "nll_exact": nll_exact.tolist()})
 
-                def scored(variant: str, nll: np.ndarray, dt: float) -> None:
+                def scored(variant: str, logits: np.ndarray, dt: float) -> None:
+                    nll = metrics.nll(logits, targets)
                     r = {"doc": d.name, "kind": d.kind}
                     for mname, m in masks.items():
                         r[mname] = list(metrics.document_delta(nll, nll_exact, m))
                     recs[variant].append(r)
                     times[variant].append(dt)
 
-                fills = [("ridge", maps[0], S0, 0, None), ("identity", None, S0, 0, None)]
-                fills += [(_variant_name(s, S0), m, s, 0, None) for m, s in zip(maps[1:], splits[1:])]
-                if options.key_rescale > 0:
-                    fills.append(("ridge + key rescale", maps[0], S0, options.key_rescale, None))
-                fills += [(lever_name(x), maps[0], S0, 0, x) for x in options.selectors]
-                for variant, mp, s, krs, sel in fills:
-                    run.attach(mp, s, options, selector=sel, key_rescale=krs)
-                    logits, dt = run.prefill(prompt, T, plan=True)
-                    scored(variant, _nll(logits, targets), dt)
+                for variant, rf in fills.items():
+                    logits, dt = timed_prefill(llm, rf, prompt, T)
+                    scored(variant, logits, dt)
                     if variant not in plans:
-                        st = run.N.llama_ridgefill_stats()
-                        run.N.llama_ridgefill_get_stats(run.ctx, ctypes.byref(st))
-                        plans[variant] = ({"ceiling": float(st.ceiling), "n_exact": st.n_exact, "n_filled": st.n_filled,
-                                           "split": s} if st.active else {"ceiling": 1.0, "split": s})
+                        plans[variant] = plan_summary(llm, rf.split)
                     tick(variant)
-                if options.splice:
-                    for variant, mode in (("ridge, exact K", 1), ("ridge, exact V", 2)):
-                        run.detach()
-                        run.prefill(prompt, T, plan=False)  # exact K/V into the cells
-                        run.clear_cells()
-                        tick("exact (splice source)")
-                        run.attach(maps[0], S0, options, splice=mode)
-                        logits, dt = run.prefill(prompt, T, plan=True)
-                        scored(variant, _nll(logits, targets), dt)
-                        tick(variant)
-                    if rec_layers:
-                        # the late recurrent layers' tails start from the exact prefix's states
-                        run.detach()
-                        run.prefill(prompt[:n - T], 1, plan=False)
-                        states = {il: run.llm.read_state(il) for il in rec_layers}
-                        tick("exact prefix (splice source)")
-                        run.attach(maps[0], S0, options)
-                        for il, st in states.items():
-                            run.llm.ridgefill_splice_state(il, st)
-                        logits, dt = run.prefill(prompt, T, plan=True)
-                        run.llm.ridgefill_splice_state(None)
-                        scored("ridge, exact state", _nll(logits, targets), dt)
-                        tick("ridge, exact state")
-                run.detach()
+                for variant, rf in splices.items():
+                    timed_prefill(llm, None, prompt, T)  # exact K/V into the cells
+                    llm.forget_cells()
+                    tick("exact (splice source)")
+                    scored(variant, *timed_prefill(llm, rf, prompt, T))
+                    tick(variant)
+                if splices and rec_layers:
+                    # the late recurrent layers' tails start from the exact prefix's states
+                    timed_prefill(llm, None, prompt[:n - T], 1)
+                    states = {il: llm.read_state(il) for il in rec_layers}
+                    tick("exact prefix (splice source)")
+                    llm.set_ridgefill(ridge)
+                    for il, st in states.items():
+                        llm.ridgefill_splice_state(il, st)
+                    scored("ridge, exact state", *timed_prefill(llm, ridge, prompt, T))
+                    llm.ridgefill_splice_state(None)
+                    tick("ridge, exact state")
             res.docs[key] = recs
             res.times[key] = times
             res.plans[key] = plans
             res.summary[key] = _summarise(recs, variants, options)
             res.paired[key] = _paired(recs, levers, options)
-            if options.splice:
+            if splices:
                 res.splice[key] = _splice_shares(recs, options)
-            res.retrieval[key] = _retrieval(run, tokenize, bos, texts, n, options, S0, maps[0], conditions, tick)
+            res.retrieval[key] = _retrieval(llm, tokenize, bos, texts, n, options, conditions, tick)
     finally:
-        run.close()
+        llm.close()
     return res
 
 
@@ -524,8 +433,21 @@ def _splice_shares(recs: dict, options: EvalOptions) -> dict:
     return out
 
 
-def _retrieval(run: _Runner, tokenize, bos, texts, n: int, options: EvalOptions, split: int, maps_path,
-               conditions: list[str], tick) -> dict:
+def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[str, RidgeFill | None]:
+    """The retrieval conditions (name -> RidgeFill; None: exact prefill): ridge and identity fill
+    with the planted row filled (selector none) and with the attention selector, then each lever
+    selector of ``options.selectors`` with ridge."""
+    conditions = {"exact": None}
+    for which, path in (("ridge", maps_path), ("identity", None)):
+        conditions[f"{which}, planted row filled"] = options.ridgefill(path, split, "none")
+        conditions[f"{which}, attention selector"] = options.ridgefill(path, split, "attention")
+    for spec in options.selectors:
+        conditions.setdefault(lever_name(spec), options.ridgefill(maps_path, split, spec))
+    return conditions
+
+
+def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
+               conditions: dict[str, RidgeFill | None], tick) -> dict:
     """Planted-fact prompts: the fact in the filled region at each depth, the question in the tail."""
     rng = np.random.default_rng(options.seed + n)
     kind = "documentation" if "documentation" in texts else next(iter(texts))
@@ -549,20 +471,12 @@ def _retrieval(run: _Runner, tokenize, bos, texts, n: int, options: EvalOptions,
             answers.append(code)
             depths.append(depth)
     out = {}
-    for cond in conditions:
+    for cond, rf in conditions.items():
         preds = []
         for toks in prompts:
-            if cond == "exact":
-                run.detach()
-                logits, _ = run.prefill(toks, 1, plan=False)
-            else:
-                which, sel = cond.split(", ")
-                spec = "none" if sel == "planted row filled" else sel.removesuffix(" selector")
-                run.attach(maps_path if which == "ridge" else None, split, options, selector=spec)
-                logits, _ = run.prefill(toks, 1, plan=True)
-            preds.append(run.greedy(logits[-1], 8))
+            logits, _ = timed_prefill(llm, rf, toks, 1)
+            preds.append(llm.detokenize(greedy_continuation(llm, logits[-1], 8)).decode(errors="replace"))
             tick(f"retrieval ({cond})")
-        run.detach()
         correct = metrics.retrieval_correct(preds, answers)
         by_depth: dict[str, list[bool]] = {}
         for dep, c in zip(depths, correct):

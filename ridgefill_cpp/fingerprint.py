@@ -12,14 +12,14 @@ import hashlib
 import mmap
 import os
 
+from .gguf_model import read_header
+
 _BLOCK = 4096
 _N_SPREAD = 64
 
 
 def model_fingerprint(path: os.PathLike | str) -> str:
     """``"sha256:<32 hex digits>"`` for the model GGUF at ``path``."""
-    from .gguf_model import read_header
-
     md, tensors = read_header(path)
     arch = str(md.get("general.architecture", ""))
     h = hashlib.sha256(arch.encode() + b"\0")

@@ -40,7 +40,11 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from . import __version__, capture, settings
+from ._native import llama_ridgefill_capture_layer_input, llama_ridgefill_get_layer_input
 from .corpus import Document
+from .fingerprint import model_fingerprint
+from .gguf_model import read_metadata, read_model_info, supported_architectures
 from .mapfile import OBJECTIVES, MapFileMeta, RidgeMaps, late_layers
 
 #: relative ridge strengths tried per layer (λ = α · mean eigenvalue of Cxx)
@@ -55,8 +59,8 @@ class FitError(ValueError):
 class FitOptions:
     split: int | None = None  # None: L - floor(L/3)
     objective: str = "normalized"
-    n_tokens: int = 100_000  # calibration token budget
-    ctx: int = 512  # window length
+    n_tokens: int = settings.FIT_TOKENS  # calibration token budget
+    ctx: int = settings.FIT_CTX  # window length
     skip_rows: int = 4  # attention-sink rows left out at the start of each window
     holdout_every: int = 10  # every k-th window is held out
     max_heldout_rows: int = 4096
@@ -206,11 +210,8 @@ class _WindowCapture:
     """Decode calibration windows with llama.cpp and hand back the captured layer inputs."""
 
     def __init__(self, model_path, layers: Sequence[int], ctx: int, n_threads: int | None):
-        from ._native import llama_ridgefill_capture_layer_input
-        from .capture import open_model
-
         try:
-            self.llm = open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
+            self.llm = capture.open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
         except ValueError as e:
             if "llama_context" not in str(e):
                 raise
@@ -230,8 +231,6 @@ class _WindowCapture:
 
     def run(self, window_tokens: Sequence[int], skip_rows: int) -> dict[int, torch.Tensor]:
         """layer -> float32 [rows - skip_rows, n_embd] inputs of that layer for one window."""
-        from ._native import llama_ridgefill_get_layer_input
-
         window = self.bos + list(window_tokens)
         self.llm.reset()
         self.llm.eval(window)
@@ -317,15 +316,11 @@ def fit_ridge_maps_for_splits(
     Each split's maps equal those of a separate :func:`fit_ridge_maps` run on the same text
     (``options.split`` is ignored here; None in ``splits`` is the default split).
     """
-    from . import __version__
-    from .fingerprint import model_fingerprint
-    from .gguf_model import SUPPORTED_ARCHITECTURES, read_metadata, read_model_info
-
     opt = options or FitOptions()
     info = read_model_info(model_path)
     if not info.supported:
         raise FitError(f"{model_path}: architecture {info.architecture!r} is not supported "
-                       f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                       f"(supported: {', '.join(supported_architectures())})")
     L, d = info.n_layer, info.n_embd
     splits = [info.default_split if s is None else int(s) for s in splits]
     if not splits or len(set(splits)) != len(splits):

@@ -17,6 +17,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .files import atomic_path
+from .gguf_model import read_model_info
+
+# gguf-py is imported in the functions that read or write GGUF files: `import ridgefill_cpp` (and so
+# `ridgefill-gguf --help`) does not pay its ~30 ms
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -96,8 +100,6 @@ def dequantize_gguf(src: os.PathLike | str, dst: os.PathLike | str) -> Path:
 
 def first_layers_gguf(src: os.PathLike | str, dst: os.PathLike | str, n_layers: int) -> Path:
     """A copy of ``src`` with only its first ``n_layers`` blocks (the rest of the model unchanged)."""
-    from .gguf_model import read_model_info
-
     info = read_model_info(src)
     if not 1 <= n_layers <= info.n_layer:
         raise ValueError(f"n_layers {n_layers} outside 1..{info.n_layer}")

@@ -6,21 +6,32 @@ or non-GGUF file) raises :class:`GGUFFileError` with a message that says what is
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+# gguf-py is imported in the functions that read or write GGUF files: `import ridgefill_cpp` (and so
+# `ridgefill-gguf --help`) does not pay its ~30 ms
+
 GGUF_MAGIC = b"GGUF"
 
-#: architectures RidgeFill implements (docs/method.md §6); anything else is refused with this list
+#: architectures RidgeFill implements (docs/method.md §6): model inspection, ``fit`` and libllama's
+#: filled-row prefill (csrc/ refuses the rest); anything else is refused with this list. Read it
+#: through :func:`supported_architectures`.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
-#: what libllama's filled-row prefill supports (csrc/llama-ridgefill-context.cpp refuses the rest)
-PREFILL_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
 #: hybrid architectures: some layers are recurrent (Gated DeltaNet; ModelInfo.recurrent_layers)
 HYBRID_ARCHITECTURES = ("qwen35",)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """The architectures RidgeFill supports (the one place Python asks; libllama's own list once
+    its C API reports it)."""
+    return SUPPORTED_ARCHITECTURES
 
 
 class GGUFFileError(ValueError):
@@ -97,9 +108,6 @@ def read_header(path: os.PathLike | str, *, max_array: int = 4096) -> tuple[dict
     ``max_array`` (the tokenizer's) are skipped, not decoded. Raises :class:`GGUFFileError` on a
     truncated or corrupt header, or on tensor data that runs past the end of the file.
     """
-    import mmap
-    import struct
-
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     p = _check_file(path)
@@ -244,7 +252,7 @@ class ModelInfo:
 
     @property
     def supported(self) -> bool:
-        return self.architecture in SUPPORTED_ARCHITECTURES
+        return self.architecture in supported_architectures()
 
     @property
     def default_split(self) -> int:

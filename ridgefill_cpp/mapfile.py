@@ -29,8 +29,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._limits import check_int
+from .files import check_output
+from .fingerprint import model_fingerprint
 from .gguf_copy import atomic_gguf_writer
+from .gguf_model import GGUFFileError, read_header, read_metadata, read_model_info, read_tensors
+from .settings import check as check_setting
+
+# gguf-py is imported in the functions that read or write GGUF files: `import ridgefill_cpp` (and so
+# `ridgefill-gguf --help`) does not pay its ~30 ms
 
 FORMAT_VERSION = 1
 ADAPTER_TYPE = "ridgefill"
@@ -179,8 +185,6 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
     a replaced file keeps its permission bits."""
     import gguf
 
-    from .files import check_output
-
     meta = maps.meta
     if dtype not in ("f16", "f32"):
         raise ValueError(f"dtype must be 'f16' or 'f32', not {dtype!r}")
@@ -326,8 +330,6 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
     """Read and check a map file. Raises :class:`MapFileError` saying what is wrong."""
     from gguf import GGMLQuantizationType
 
-    from .gguf_model import GGUFFileError, read_header, read_metadata, read_tensors
-
     try:
         md = read_metadata(path)
     except GGUFFileError as e:
@@ -429,9 +431,6 @@ def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str,
                            gains: dict[int, np.ndarray] | None = None) -> list[str]:
     """Why the maps do not fit the model at ``model_path`` (empty list: they fit); with ``gains``
     (:attr:`RidgeMaps.g`) also why the state gains do not (:func:`state_gain_problems`)."""
-    from .fingerprint import model_fingerprint
-    from .gguf_model import read_model_info
-
     info = read_model_info(model_path)
     problems = []
     if info.architecture != meta.architecture:
@@ -452,8 +451,6 @@ def compatibility_problems(meta: MapFileMeta, model_path: os.PathLike | str,
 def state_gain_problems(gains: dict[int, np.ndarray], meta: MapFileMeta, model_path: os.PathLike | str) -> list[str]:
     """Why the terminal-state gains do not fit the model (empty: they fit, or there are none): the
     runtime wants gains for every mapped recurrent layer or for none, [n_v_heads] each."""
-    from .gguf_model import read_metadata, read_model_info
-
     if not gains:
         return []
     info = read_model_info(model_path)
@@ -493,8 +490,6 @@ def tuned_defaults_from_metadata(md: dict[str, Any], path: os.PathLike | str = "
 
 
 def _read_map_metadata(path: os.PathLike | str) -> dict[str, Any]:
-    from .gguf_model import GGUFFileError, read_metadata
-
     try:
         md = read_metadata(path)
     except GGUFFileError as e:
@@ -544,9 +539,8 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
                 raise ValueError(f"tuned {name} = {value!r} must be finite")
         values[name] = value
     tuned_defaults_from_metadata({TUNED_PREFIX + k: v for k, v in values.items()}, path)  # required keys present
-    check_int("tuned tail", values["tail"], 1)  # RidgeFill's tail is an int32 in the C parameters
-    if not 0.0 <= values["exact_fraction"] <= 1.0:
-        raise ValueError(f"tuned exact_fraction {values['exact_fraction']} outside [0, 1]")
+    for name in ("tail", "exact_fraction"):  # what RidgeFill(path) will check (the tail: an int32 in the C parameters)
+        check_setting(name, values[name], label=f"tuned {name}")
 
     return rewrite_map_file(
         path, drop_key=lambda name: name.startswith(TUNED_PREFIX),

@@ -1,8 +1,8 @@
 """The quality metrics of ``ridgefill-gguf eval`` (docs/method.md §9), as plain numpy functions.
 
 Every figure compares a filled run with exact prefill of the same model and prompt. Per-token
-losses (NLL, in nats) come from the caller; this module only defines which tokens are scored and
-how the numbers are aggregated:
+losses (NLL, in nats) come from the caller's logits (:func:`nll`); this module defines which tokens
+are scored and how the numbers are aggregated:
 
 * **Novel tokens** (:func:`novel_token_mask`): tail tokens whose 8-token run, ending at the token,
   does not occur earlier in the prompt, so they cannot simply be copied.
@@ -39,6 +39,7 @@ __all__ = [
     "novel_token_mask",
     "key_token_mask",
     "scaled_key_cut",
+    "nll",
     "delta_nll",
     "document_delta",
     "perplexity_ratio",
@@ -197,6 +198,15 @@ def _pair(a: np.ndarray, b: np.ndarray, names: str) -> tuple[np.ndarray, np.ndar
     if x.shape != y.shape:
         raise ValueError(f"{names} differ in shape: {x.shape} vs {y.shape}")
     return x, y
+
+
+def nll(logits: np.ndarray, targets: Sequence[int]) -> np.ndarray:
+    """Per-row next-token loss (nats, float64): ``-log softmax(logits[i])[targets[i]]`` for logits
+    ``[n, n_vocab]`` and ``n`` target token ids."""
+    x = np.asarray(logits).astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(x).sum(axis=1))
+    return lse - x[np.arange(len(targets)), np.asarray(targets)]
 
 
 def delta_nll(nll_fill: np.ndarray, nll_exact: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:

@@ -22,48 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import llama_cpp
+import numpy as np
 
 from . import _native as N
-from ._limits import INT32_MAX, MAX_THREADS, check_fraction, check_int
-from .gguf_model import read_model_info
+from . import settings
+from ._limits import MAX_THREADS, check_int
+from .files import not_regular
+from .gguf_model import GGUFFileError, read_metadata, read_model_info
+from .mapfile import ADAPTER_TYPE, TUNED_PREFIX, MapFileError, tuned_defaults_from_metadata
 from .native_maps import NativeMaps
-
-#: selectors by name (docs/method.md §5); a sequence of positions is the explicit selector
-SELECTORS = {
-    "attention": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION,
-    "probe": N.LLAMA_RIDGEFILL_SELECTOR_PROBE,
-    "protected": N.LLAMA_RIDGEFILL_SELECTOR_PROTECTED,
-    "attention+protected": N.LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED,
-    "none": N.LLAMA_RIDGEFILL_SELECTOR_NONE,
-}
-
-#: row classes of the ``protected`` selector
-TOKEN_CLASSES = {
-    "sink": N.LLAMA_RIDGEFILL_CLASS_SINK,
-    "digits": N.LLAMA_RIDGEFILL_CLASS_DIGIT,
-    "rare": N.LLAMA_RIDGEFILL_CLASS_RARE,
-    "line_start": N.LLAMA_RIDGEFILL_CLASS_LINE_START,
-}
-
-#: the default protected classes (chosen from the eval: see README, "Selectors")
-DEFAULT_PROTECTED = ("sink", "digits")
-
-PLACEMENTS = ("resident", "host")
-#: RidgeFill(state_correction=...) -> enum llama_ridgefill_state_correction
-STATE_CORRECTIONS = {None: N.LLAMA_RIDGEFILL_STATE_CORRECTION_NONE, "gain": N.LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN}
-
-
-def protected_mask(classes: str | Sequence[str]) -> int:
-    """The C bit mask of token class names (``"digits,rare"`` or ``("digits", "rare")``)."""
-    names = [c.strip() for c in classes.split(",")] if isinstance(classes, str) else [str(c) for c in classes]
-    names = [c for c in names if c]
-    bad = [c for c in names if c not in TOKEN_CLASSES]
-    if bad or not names:
-        raise ValueError(f"protected token classes {classes!r}: use one or more of {', '.join(TOKEN_CLASSES)}")
-    mask = 0
-    for c in names:
-        mask |= TOKEN_CLASSES[c]
-    return mask
+# the vocabulary of the settings, re-exported where users of the class look for it
+from .settings import PLACEMENTS, SELECTORS, TOKEN_CLASSES, protected_mask  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -75,16 +44,17 @@ class RidgeFill:
     exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``tail``,
     ``exact_fraction`` and ``selector`` left as None resolve to the operating point
     ``ridgefill-gguf tune`` wrote into the map file (its ``ridgefill.tuned.*`` keys), else to the
-    built-in defaults (64, 0.10, ``"attention"``); an explicit argument always wins. After
-    construction they hold the resolved values; :attr:`tuned` is the map file's tuned operating
-    point (None: it has none) and :attr:`origin` says where each of the three came from
-    (``"argument"``, ``"map file"`` or ``"built-in"``). ``selector``:
-    ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
+    built-in defaults (:data:`ridgefill_cpp.settings.TUNABLE_DEFAULTS`: 64, 0.10, ``"attention"``);
+    an explicit argument always wins. After construction they hold the resolved values;
+    :attr:`tuned` is the map file's tuned operating point (None: it has none) and :attr:`origin`
+    says where each of the three came from (``"argument"``, ``"map file"`` or ``"built-in"``).
+    ``selector``: ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
     runs them against the filled cache; costs T more rows), ``"protected"`` (rows in the classes of
     ``protected``, default ``("sink", "digits")``: ``"sink"`` = positions 0-3, ``"digits"``, ``"rare"``
-    = once in the prompt, ``"line_start"``; no attention pass), ``"none"``, or a list of absolute
-    positions that stay exact.
+    = once in the prompt, ``"line_start"``; no attention pass), ``"attention+protected"`` (the
+    protected rows, then the attention selector's), ``"none"``, or a list of absolute positions
+    that stay exact.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
     ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the
@@ -97,6 +67,10 @@ class RidgeFill:
     multiplied by per-head gains at the prefix/tail boundary, before the tail runs; the gains are
     fitted in closed form by ``ridgefill-gguf fit --state-gains`` and stored in the map file; see
     :mod:`ridgefill_cpp.oracle.state_correction` for the derivation).
+    ``splice`` (diagnostics, the splice test of docs/method.md §9): ``"K"``, ``"V"`` or ``"KV"``,
+    the filled rows keep the late-layer K, V or both that their cells already hold (e.g. from an
+    exact prefill of the same prompt, :meth:`Llama.forget_cells`) instead of the filled ones.
+    Defaults and names: :mod:`ridgefill_cpp.settings`.
     """
 
     maps: str | os.PathLike | None = None
@@ -104,15 +78,16 @@ class RidgeFill:
     tail: int | None = None
     exact_fraction: float | None = None
     selector: str | Sequence[int] | None = None
-    value_rescale: int = 512
-    key_rescale: int = 0
-    min_prompt: int = 1024
-    n_queries: int = 64
+    value_rescale: int = settings.VALUE_RESCALE
+    key_rescale: int = settings.KEY_RESCALE
+    min_prompt: int = settings.MIN_PROMPT
+    n_queries: int = settings.N_QUERIES
     selector_layer: int | None = None
-    fill_chunk: int = 0
-    protected: str | Sequence[str] = DEFAULT_PROTECTED
-    placement: str = "resident"
+    fill_chunk: int = settings.FILL_CHUNK
+    protected: str | Sequence[str] = settings.PROTECTED
+    placement: str = settings.PLACEMENT
     state_correction: str | None = None
+    splice: str | None = None
     positions: tuple[int, ...] = field(default=(), init=False, repr=False)
     #: the map file's tuned operating point (``ridgefill.tuned.*``), None when it has none
     tuned: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
@@ -120,17 +95,11 @@ class RidgeFill:
     origin: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     #: the built-in defaults of the settings ``ridgefill-gguf tune`` can choose
-    BUILTIN_DEFAULTS = {"tail": 64, "exact_fraction": 0.10, "selector": "attention"}
+    BUILTIN_DEFAULTS = settings.TUNABLE_DEFAULTS
 
     def __post_init__(self):
-        from .gguf_model import GGUFFileError, read_metadata
-        from .mapfile import ADAPTER_TYPE, TUNED_PREFIX, tuned_defaults_from_metadata
-
         tuned = None
         if self.maps is not None:
-            from .files import not_regular
-            from .mapfile import MapFileError
-
             what = not_regular(self.maps, follow_symlinks=True)
             if what is not None:  # opening a FIFO would block; a device or directory is no map file
                 raise MapFileError(f"{self.maps}: the map file is {what}, not a regular file")
@@ -140,55 +109,32 @@ class RidgeFill:
                 md = {}  # the loader says what is wrong with the file when a Llama attaches it
             if md.get("adapter.type") == ADAPTER_TYPE:
                 tuned = tuned_defaults_from_metadata(md, self.maps)
-        origin = {}
-        for name, builtin in self.BUILTIN_DEFAULTS.items():
-            if getattr(self, name) is not None:
-                origin[name] = "argument"
-            elif tuned is not None and name in tuned:
-                object.__setattr__(self, name, tuned[name])
-                origin[name] = "map file"
-            else:
-                object.__setattr__(self, name, builtin)
-                origin[name] = "built-in"
+        values, origin = settings.resolve_tunable({k: getattr(self, k) for k in settings.TUNABLE_DEFAULTS}, tuned)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "tuned", dict(tuned) if tuned is not None else None)
         object.__setattr__(self, "origin", origin)
         tuned_hint = lambda name: (f" (the map file's tuned value, {TUNED_PREFIX}{name})"  # noqa: E731
                                    if origin[name] == "map file" else "")
-        if isinstance(self.selector, str):
-            if self.selector not in SELECTORS:
-                raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions"
-                                 + tuned_hint("selector"))
-        else:
-            try:
-                given = list(self.selector)
-            except TypeError as e:
-                raise ValueError(f"selector {self.selector!r}: use one of {', '.join(SELECTORS)} or a list of positions") from e
-            pos = tuple(sorted({check_int("selector position", p, 0, INT32_MAX)
-                                for p in given}))
-            object.__setattr__(self, "positions", pos)
+        selector = settings.check("selector", self.selector, hint=tuned_hint("selector"))
+        if isinstance(selector, tuple):
+            object.__setattr__(self, "positions", selector)
             object.__setattr__(self, "selector", "positions")
         if self.maps is None and self.split is None:
             raise ValueError("identity fill needs a split: RidgeFill.identity(split=S)")
         if self.split is not None:
-            check_int("split", self.split, 1)
-        check_int("tail", self.tail, 1, hint=": the last prompt rows kept exact (at least the last prompt row must be exact)" + tuned_hint("tail"))
+            settings.check("split", self.split)
+        settings.check("tail", self.tail, hint=tuned_hint("tail"))
         object.__setattr__(self, "exact_fraction",
-                           check_fraction("exact_fraction", self.exact_fraction, tuned_hint("exact_fraction")))
-        check_int("value_rescale", self.value_rescale, 0, hint="; 0 is off")
-        check_int("key_rescale", self.key_rescale, 0, hint="; 0 is off")
-        check_int("min_prompt", self.min_prompt, 0)
-        check_int("n_queries", self.n_queries, 1)
+                           settings.check("exact_fraction", self.exact_fraction, hint=tuned_hint("exact_fraction")))
+        for name in ("value_rescale", "key_rescale", "min_prompt", "n_queries"):
+            settings.check(name, getattr(self, name))
         if self.selector_layer is not None:
-            check_int("selector_layer", self.selector_layer, 0,
-                      hint="; None is the last full-attention layer below the split")
-        check_int("fill_chunk", self.fill_chunk, 0, hint="; 0 is n_ubatch")
-        protected_mask(self.protected)
-        if not isinstance(self.protected, str):
-            object.__setattr__(self, "protected", tuple(self.protected))
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
-        if self.state_correction not in STATE_CORRECTIONS:
-            raise ValueError(f"state_correction {self.state_correction!r}: use None or 'gain'")
+            settings.check("selector_layer", self.selector_layer)
+        settings.check("fill_chunk", self.fill_chunk)
+        object.__setattr__(self, "protected", settings.check("protected", self.protected))
+        for name in ("placement", "state_correction", "splice"):
+            settings.check(name, getattr(self, name))
 
     @classmethod
     def identity(cls, split: int, **kwargs: Any) -> "RidgeFill":
@@ -201,7 +147,8 @@ class RidgeFill:
         p.split_layer = -1 if self.split is None else int(self.split)
         p.n_tail = int(self.tail)
         p.exact_fraction = float(self.exact_fraction)
-        p.selector = SELECTORS.get(self.selector, N.LLAMA_RIDGEFILL_SELECTOR_NONE)
+        # an explicit list of positions: no selector, the positions are set per prompt (llama_ridgefill_set_exact)
+        p.selector = settings.SELECTORS.get(self.selector, settings.SELECTORS["none"])
         p.n_sel_queries = int(self.n_queries)
         p.sel_layer = -1 if self.selector_layer is None else int(self.selector_layer)
         p.n_rescale = int(self.value_rescale)
@@ -209,12 +156,26 @@ class RidgeFill:
         p.min_prompt = int(self.min_prompt)
         p.n_fill_chunk = int(self.fill_chunk)
         p.protected_classes = protected_mask(self.protected)
-        p.state_correction = STATE_CORRECTIONS[self.state_correction]
+        p.state_correction = settings.STATE_CORRECTIONS[self.state_correction]
+        p.splice = settings.SPLICES[self.splice]
         return p
+
+
+def as_ridgefill(ridgefill: RidgeFill | str | os.PathLike | None) -> RidgeFill | None:
+    """A RidgeFill, None, or a map file path for the defaults (its tuned ones, if any)."""
+    return ridgefill if ridgefill is None or isinstance(ridgefill, RidgeFill) else RidgeFill(ridgefill)
 
 
 def _last_error() -> str:
     return N.llama_ridgefill_last_error().decode(errors="replace")
+
+
+def _check_context(logits_all: bool, embedding: bool) -> None:
+    """What a context RidgeFill prefills must not be."""
+    if logits_all:
+        raise ValueError("RidgeFill computes the logits of the last prompt row only: logits_all=True is not supported")
+    if embedding:
+        raise ValueError("RidgeFill prefill does not apply to embedding contexts (embedding=True)")
 
 
 class Llama(llama_cpp.Llama):
@@ -222,14 +183,20 @@ class Llama(llama_cpp.Llama):
     for the defaults). ``ridgefill=None`` is the stock class's behaviour, bit for bit.
 
     After a prompt has been evaluated, :attr:`ridgefill_stats` describes its prefill (empty when
-    it ran stock: no RidgeFill, or a prompt shorter than ``min_prompt`` or the tail).
+    it ran stock: no RidgeFill, or a prompt shorter than ``min_prompt`` or the tail; its keys:
+    :data:`ridgefill_cpp.settings.STATS`). :meth:`prefill` evaluates a prompt and returns the
+    logits of its last rows; :meth:`set_ridgefill` changes the settings (or turns RidgeFill off)
+    for the next prompts.
     """
 
     def __init__(self, model_path: str, *args: Any, ridgefill: RidgeFill | str | os.PathLike | None = None,
                  **kwargs: Any):
         self._rf: RidgeFill | None = None
         self._rf_maps: NativeMaps | None = None
+        #: every map file loaded for this context, by (path, split, host): reused, freed at close()
+        self._rf_loaded: dict[tuple[str, int | None, bool], NativeMaps] = {}
         self._rf_attached = False
+        self._rf_release = False  # whether close() detaches and frees the maps (registered once)
         self.ridgefill_stats: dict[str, Any] = {}
         self._info = None  # the model's ModelInfo, read when RidgeFill needs it
         for name in ("n_threads", "n_threads_batch"):  # more than ggml's thread arrays hold crashes llama.cpp
@@ -239,11 +206,8 @@ class Llama(llama_cpp.Llama):
             super().__init__(model_path, *args, **kwargs)
             return
 
-        rf = ridgefill if isinstance(ridgefill, RidgeFill) else RidgeFill(ridgefill)
-        if kwargs.get("logits_all"):
-            raise ValueError("RidgeFill computes the logits of the last prompt row only: logits_all=True is not supported")
-        if kwargs.get("embedding"):
-            raise ValueError("RidgeFill prefill does not apply to embedding contexts (embedding=True)")
+        rf = as_ridgefill(ridgefill)
+        _check_context(kwargs.get("logits_all"), kwargs.get("embedding"))
         self._info = read_model_info(model_path)
         if self._info.architecture == "gemma3" and kwargs.get("swa_full") is None:
             # sliding-window layers of filled and exact rows need every cell of the prompt kept
@@ -251,37 +215,58 @@ class Llama(llama_cpp.Llama):
 
         super().__init__(model_path, *args, **kwargs)
         try:
-            if rf.maps is not None:
-                self._rf_maps = NativeMaps(self._model.model, rf.maps, split=rf.split, host=rf.placement == "host",
-                                           model_path=model_path)
-            if rf.state_correction == "gain" and not (self._rf_maps and self._rf_maps.has_state_gains):
-                # (libllama refuses it only where a late layer is recurrent; elsewhere it would be a no-op)
-                raise ValueError("the state correction 'gain' needs maps with state gains (ridgefill-gguf fit "
-                                 f"--state-gains); {rf.maps if rf.maps is not None else 'identity fill'} has none")
-            rc = N.llama_ridgefill_attach(self._ctx.ctx, self._rf_maps.handle if self._rf_maps else None, rf.params())
-            if rc != 0:
-                raise ValueError(f"RidgeFill: {_last_error()}")
+            self.set_ridgefill(rf)
         except Exception:
-            if self._rf_maps is not None:
-                self._rf_maps.close()
             self.close()
             raise
-        self._rf = rf
-        self._rf_attached = True
-        # detach before the context is freed, then free the maps (the exit stack unwinds in reverse)
-        self._stack.callback(self._ridgefill_release)
 
     def close(self) -> None:
         if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama-cpp-python ran
             super().close()
 
+    def set_ridgefill(self, ridgefill: RidgeFill | str | os.PathLike | None) -> None:
+        """Prefill the next prompts with ``ridgefill`` (a :class:`RidgeFill`, or a map file path for
+        its defaults), or stock (None). The cache is left as it is; :attr:`ridgefill_stats` is
+        emptied. A map file is loaded once per context and reused when attached again (freed by
+        :meth:`close`). A gemma3 context must have been created with ``swa_full=True``, which
+        ``Llama(..., ridgefill=...)`` does. Raises ``ValueError`` (``MapFileError``: the maps) for
+        settings libllama refuses; RidgeFill is then off."""
+        rf = as_ridgefill(ridgefill)
+        if rf is not None:
+            _check_context(self._logits_all, self.context_params.embeddings)
+        if not self._rf_release:
+            # detach before the context is freed, then free the maps (the exit stack unwinds in reverse)
+            self._stack.callback(self._ridgefill_release)
+            self._rf_release = True
+        if self._rf_attached:
+            N.llama_ridgefill_detach(self._ctx.ctx)
+        self._rf, self._rf_maps, self._rf_attached = None, None, False
+        self.ridgefill_stats = {}
+        if rf is None:
+            return
+        maps = self._load_maps(rf) if rf.maps is not None else None
+        if rf.state_correction == "gain" and not (maps and maps.has_state_gains):
+            # (libllama refuses it only where a late layer is recurrent; elsewhere it would be a no-op)
+            raise ValueError("the state correction 'gain' needs maps with state gains (ridgefill-gguf fit "
+                             f"--state-gains); {rf.maps if rf.maps is not None else 'identity fill'} has none")
+        if N.llama_ridgefill_attach(self._ctx.ctx, maps.handle if maps else None, rf.params()) != 0:
+            raise ValueError(f"RidgeFill: {_last_error()}")
+        self._rf, self._rf_maps, self._rf_attached = rf, maps, True
+
+    def _load_maps(self, rf: RidgeFill) -> NativeMaps:
+        key = (os.fspath(rf.maps), rf.split, rf.placement == "host")
+        if key not in self._rf_loaded:
+            self._rf_loaded[key] = NativeMaps(self._model.model, rf.maps, split=rf.split, host=key[2],
+                                              model_path=self.model_path)
+        return self._rf_loaded[key]
+
     def _ridgefill_release(self) -> None:
         if self._rf_attached and self._ctx is not None and self._ctx.ctx is not None:
             N.llama_ridgefill_detach(self._ctx.ctx)
-        self._rf_attached = False
-        if self._rf_maps is not None:
-            self._rf_maps.close()
-            self._rf_maps = None
+        self._rf, self._rf_maps, self._rf_attached = None, None, False
+        for maps in self._rf_loaded.values():
+            maps.close()
+        self._rf_loaded.clear()
 
     @property
     def ridgefill(self) -> RidgeFill | None:
@@ -289,34 +274,85 @@ class Llama(llama_cpp.Llama):
         return self._rf
 
     def eval(self, tokens: Sequence[int]) -> None:
-        rf = self._rf
         tokens = list(tokens)
-        if rf is None or len(tokens) <= 1:
+        if self._rf is None or len(tokens) <= 1:
             # no RidgeFill, or a generated token: every layer runs
             return super().eval(tokens)
+        self.prefill(tokens, n_logits=1)
 
+    def prefill(self, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        """Evaluate ``tokens`` after the ``n_tokens`` already in the context, as :meth:`eval` does,
+        and return the logits of the last ``n_logits`` of them: float32 ``[n_logits, n_vocab]``, a
+        copy (row ``-1`` predicts the token after the prompt).
+
+        With RidgeFill on, a prompt of more than one row is planned (docs/method.md §6: it runs
+        filled, or stock when it is shorter than ``min_prompt`` or the tail) and
+        :attr:`ridgefill_stats` describes it; a planned prompt has logits for its tail rows only, so
+        rows before the tail come back NaN (keep ``n_logits`` <= ``tail``). The rows are decoded in
+        the chunks of ``n_batch`` rows :meth:`eval` uses, except that the last chunk starts early
+        enough to hold the last ``n_logits`` rows: ``1 <= n_logits <= min(len(tokens), n_batch)``.
+        Without RidgeFill it is llama-cpp-python's evaluation, with the logits of the last rows kept.
+        """
+        tokens = list(tokens)
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("prefill: no tokens")
+        check_int("n_logits", n_logits, 1, min(n, self.n_batch), ": the last rows that get logits, all in the last "
+                  "decode call (at most the prompt and n_batch)")
+        plan = self._rf is not None and n > 1
         ctx = self._ctx.ctx
-        pos0 = self.n_tokens
-        pos_end = pos0 + len(tokens)
-        self.ridgefill_stats = {}
-        planned = N.llama_ridgefill_begin(ctx, 0, pos0, pos_end)
-        if planned < 0:
-            raise RuntimeError(f"RidgeFill: {_last_error()}")
-        if planned and rf.selector == "positions":
-            pos = (ctypes.c_int32 * len(rf.positions))(*rf.positions)
-            if N.llama_ridgefill_set_exact(ctx, pos, len(rf.positions)) != 0:
-                N.llama_ridgefill_cancel(ctx)
-                raise ValueError(f"RidgeFill: {_last_error()}")
-
+        planned = 0
+        if plan:
+            self.ridgefill_stats = {}
+            planned = N.llama_ridgefill_begin(ctx, 0, self.n_tokens, self.n_tokens + n)
+            if planned < 0:
+                raise RuntimeError(f"RidgeFill: {_last_error()}")
+            if planned and self._rf.selector == "positions":
+                pos = (ctypes.c_int32 * len(self._rf.positions))(*self._rf.positions)
+                if N.llama_ridgefill_set_exact(ctx, pos, len(self._rf.positions)) != 0:
+                    N.llama_ridgefill_cancel(ctx)
+                    raise ValueError(f"RidgeFill: {_last_error()}")
         t0 = time.perf_counter()
         try:
-            super().eval(tokens)
+            logits = self._decode(tokens, n_logits)
         except BaseException:
             if planned:
                 N.llama_ridgefill_cancel(ctx)
             raise
         if planned:
             self.ridgefill_stats = self._read_stats((time.perf_counter() - t0) * 1000.0)
+        return logits
+
+    def _decode(self, tokens: list[int], n_logits: int) -> np.ndarray:
+        """llama-cpp-python's evaluation loop (``Llama.eval``: the same chunks, cache trim and
+        bookkeeping), with every one of the last ``n_logits`` rows asking for logits in the last call."""
+        n, n_batch, n_vocab = len(tokens), self.n_batch, self._n_vocab
+        starts = list(range(0, n, n_batch))
+        starts[-1] = min(starts[-1], n - n_logits)
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for start, end in zip(starts, starts[1:] + [n]):
+            batch, n_past = tokens[start:end], self.n_tokens
+            self._batch.set_batch(batch=batch, n_past=n_past, logits_all=self._logits_all)
+            if end == n:
+                for i in range(n - n_logits - start, end - start):
+                    self._batch.batch.logits[i] = True
+            self._ctx.decode(self._batch)
+            self.input_ids[n_past:n_past + len(batch)] = batch
+            if self._logits_all:
+                rows = np.ctypeslib.as_array(self._ctx.get_logits(), shape=(len(batch), n_vocab))
+                self.scores[n_past:n_past + len(batch), :] = rows
+            self.n_tokens += len(batch)
+            self._requires_eval = False
+        if self._logits_all:
+            return self.scores[self.n_tokens - n_logits:self.n_tokens, :].copy()
+        return np.ctypeslib.as_array(self._ctx.get_logits(), shape=(n_logits, n_vocab)).copy()
+
+    def forget_cells(self) -> None:
+        """Forget every cell of the KV cache but keep its data, then :meth:`reset`: for the splice
+        test (docs/method.md §9), where a prefill with ``RidgeFill(splice=...)`` keeps the late-layer
+        K/V that an exact prefill of the same prompt left in the cells."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), False)
+        self.reset()
 
     def _read_stats(self, prefill_ms: float) -> dict[str, Any]:
         ctx = self._ctx.ctx
@@ -326,7 +362,7 @@ class Llama(llama_cpp.Llama):
         n = N.llama_ridgefill_get_exact(ctx, None, 0)
         exact = (ctypes.c_int32 * max(n, 1))()
         N.llama_ridgefill_get_exact(ctx, exact, n)
-        return {
+        stats = {
             "n_prompt": s.n_prompt,
             "pos0": s.pos0,
             "n_layer": s.n_layer,
@@ -343,6 +379,7 @@ class Llama(llama_cpp.Llama):
             "prefill_ms": prefill_ms,
             **self.ridgefill_memory(),
         }
+        return {key: stats[key] for key in settings.STATS}  # the documented keys, in their order
 
     def ridgefill_memory(self) -> dict[str, Any]:
         """Where the maps live: ``maps_bytes``, ``maps_placement`` (``"resident"`` / ``"host"``) and
@@ -384,8 +421,6 @@ class Llama(llama_cpp.Llama):
     def read_kv(self, layer: int, positions: Sequence[int]):
         """K and V cache rows of ``layer`` at ``positions`` (sequence 0) as float32 arrays
         [n, n_embd_k_gqa] and [n, n_embd_v_gqa]: what the prefill wrote. For tests and tools."""
-        import numpy as np
-
         if self._info is None:
             self._info = read_model_info(self.model_path)
         n = len(positions)
@@ -417,8 +452,6 @@ class Llama(llama_cpp.Llama):
         recurrent ``layer``'s tail rows start from ``state`` (the layout of :meth:`read_state`, e.g.
         read after an exact prefill of the prompt's prefix) instead of the state its filled rows left.
         ``layer`` None: no layer is spliced any more."""
-        import numpy as np
-
         if layer is None:
             N.llama_ridgefill_splice_state(self._ctx.ctx, 0, None, 0)
             return
@@ -433,8 +466,6 @@ class Llama(llama_cpp.Llama):
 
     @staticmethod
     def _state_floats(get):
-        import numpy as np
-
         n = get(None, 0)
         if n < 0:
             raise ValueError(_last_error())

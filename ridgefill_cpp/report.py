@@ -1,8 +1,10 @@
 """The files of ``ridgefill-gguf eval``: ``report.md``, PNG plots and ``results.json`` (written
-atomically, each). Plots use matplotlib's non-interactive Agg backend."""
+atomically, each). Plots use matplotlib's non-interactive Agg backend (:func:`agg_pyplot`,
+:func:`save_figure`, also used by ``tune``'s plot)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -131,26 +133,28 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
     return "\n".join(L) + "\n"
 
 
-def _save(fig, path: Path) -> Path:
-    """Lay out, write atomically as PNG and close a figure; return its path."""
-    import io
+def agg_pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend."""
+    import matplotlib  # here, not at the top: matplotlib takes long to import and only plots need it
 
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write atomically as PNG and close a figure; return its path."""
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
+    agg_pyplot().close(fig)
     write_bytes(path, buf.getvalue())
     return path
 
 
 def _plots(res: EvalResult, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     paths = []
     for n, s in sorted(res.summary.items(), key=lambda kv: int(kv[0])):
         variants = [v for v in s if all(s[v].get(m) for m, _ in METRICS)]
@@ -167,7 +171,7 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_ylabel("ΔNLL vs exact (nats)")
         ax.set_title(f"{Path(res.model).name}, {n}-token prompts (95 % CI over documents)")
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out / f"delta_nll_{n}.png"))
+        paths.append(save_figure(fig, out / f"delta_nll_{n}.png"))
 
     # levers: each one's paired ΔNLL difference against plain ridge (a forest plot), and its speed
     for n, paired in sorted((getattr(res, "paired", None) or {}).items(), key=lambda kv: int(kv[0])):
@@ -183,7 +187,7 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_yticks(ys, [f"{v}  ({res.ttft_ratio(int(n), v):.2f}x)" for v, _ in rows], fontsize=8)
         ax.set_xlabel("novel-token ΔNLL minus plain ridge's (nats; < 0: the lever helps)")
         ax.set_title(f"levers, {n}-token prompts (paired by document, 95 % CI; speed vs exact)", fontsize=9)
-        paths.append(_save(fig, out / f"levers_{n}.png"))
+        paths.append(save_figure(fig, out / f"levers_{n}.png"))
 
     # split sweep: ridge at each split, ΔNLL (novel) and speed
     if len(res.splits) > 1:
@@ -207,7 +211,7 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_title(f"{Path(res.model).name}: choosing the split")
         ax.legend(loc="upper left", fontsize=8)
         ax2.legend(loc="upper right", fontsize=8)
-        paths.append(_save(fig, out / "split_sweep.png"))
+        paths.append(save_figure(fig, out / "split_sweep.png"))
 
     # retrieval by depth
     for n, r in sorted(res.retrieval.items(), key=lambda kv: int(kv[0])):
@@ -221,5 +225,5 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.set_ylabel("accuracy")
         ax.set_title(f"filled-region retrieval, {n}-token prompts")
         ax.legend(fontsize=7)
-        paths.append(_save(fig, out / f"retrieval_{n}.png"))
+        paths.append(save_figure(fig, out / f"retrieval_{n}.png"))
     return paths

@@ -21,10 +21,12 @@ process dies (Linux), so no path leaves an orphan.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -35,11 +37,15 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .prefill import DEFAULT_PROTECTED, RidgeFill, protected_mask
+from . import _native, settings
+from .files import not_regular
+from .gguf_model import read_model_info, supported_architectures
+from .mapfile import map_file_splits
+from .prefill import RidgeFill, as_ridgefill
 
 #: RidgeFill settings that have no llama-server flag: they must keep their defaults to be served
 _NO_SERVER_FLAG = ("value_rescale", "key_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement",
-                   "state_correction")
+                   "state_correction", "splice")
 
 #: flags the command line sets from serve's own options; refused in the extra arguments
 _MANAGED_FLAGS = {
@@ -65,8 +71,6 @@ def server_binary() -> Path:
     """The patched ``llama-server`` installed with the package: ``bin/llama-server`` next to the
     native libraries it links (found the way :mod:`ridgefill_cpp._native` finds them, so a source
     checkout on ``PYTHONPATH`` uses the installed build)."""
-    from . import _native
-
     path = _native.BIN_DIR / ("llama-server.exe" if sys.platform == "win32" else "llama-server")
     if not path.is_file() or not os.access(path, os.X_OK):
         raise ServerError(f"the patched llama-server was not found at {path} (it is built and installed with the "
@@ -74,22 +78,17 @@ def server_binary() -> Path:
     return path
 
 
-def _as_ridgefill(ridgefill: RidgeFill | str | os.PathLike | None) -> RidgeFill | None:
-    if ridgefill is None or isinstance(ridgefill, RidgeFill):
-        return ridgefill
-    return RidgeFill(ridgefill)
-
-
 def _check_servable(rf: RidgeFill) -> None:
     """Settings the server flags can express: a selector by name, the others at their defaults."""
     if rf.selector == "positions":
-        raise ValueError("the server takes a selector by name (none, attention, probe, protected, "
-                         "attention+protected), not a list of positions")
+        raise ValueError(f"the server takes a selector by name ({settings.names(settings.SELECTORS)}), not a list "
+                         "of positions")
     defaults = {f.name: f.default for f in dataclasses.fields(RidgeFill) if f.name in _NO_SERVER_FLAG}
     changed = []
     for name, default in defaults.items():
         value = getattr(rf, name)
-        same = (protected_mask(value) == protected_mask(DEFAULT_PROTECTED)) if name == "protected" else value == default
+        same = (settings.protected_mask(value) == settings.protected_mask(default) if name == "protected"
+                else value == default)
         if not same:
             changed.append(f"{name}={value!r} (the server uses {default!r})")
     if changed:
@@ -103,17 +102,14 @@ def check_ridgefill(model: str | os.PathLike, ridgefill: RidgeFill | str | os.Pa
     dimensions, fingerprint; :func:`ridgefill_cpp.mapfile.map_file_splits`), the split, the
     architecture, and settings the server has flags for. Raises ``ValueError`` (``GGUFFileError`` /
     ``MapFileError`` are ``ValueError`` s) saying what is wrong."""
-    from .gguf_model import PREFILL_ARCHITECTURES, read_model_info
-    from .mapfile import map_file_splits
-
     info = read_model_info(model)
-    rf = _as_ridgefill(ridgefill)
+    rf = as_ridgefill(ridgefill)
     if rf is None:
         return None
     _check_servable(rf)
-    if info.architecture not in PREFILL_ARCHITECTURES:
+    if not info.supported:
         raise ValueError(f"{model}: architecture '{info.architecture}' is not supported by RidgeFill prefill "
-                         f"(supported: {', '.join(PREFILL_ARCHITECTURES)}); serve it without RidgeFill")
+                         f"(supported: {', '.join(supported_architectures())}); serve it without RidgeFill")
     if rf.maps is not None:
         (file_split,) = map_file_splits([rf.maps], model)
         if rf.split is not None and rf.split != file_split:
@@ -149,8 +145,6 @@ def _split_api_keys(extra: Sequence[str]) -> tuple[list[str], list[str]]:
 def check_api_key_file(path: str | os.PathLike) -> Path:
     """A file of API keys for llama-server's ``--api-key-file`` (one per line, ``#`` comments), checked
     the way llama-server reads it: a readable regular file holding at least one key."""
-    from .files import not_regular
-
     p = Path(path)
     what = not_regular(p, follow_symlinks=True)
     if what is not None:
@@ -205,7 +199,7 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"port {port} outside 0..65535")
     args = [str(server_binary()), "-m", str(model), "--host", _check_host(host), "--port", str(int(port))]
-    rf = _as_ridgefill(ridgefill)
+    rf = as_ridgefill(ridgefill)
     if rf is not None:
         _check_servable(rf)
         if rf.maps is not None:
@@ -291,8 +285,6 @@ def _libc_prctl():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
@@ -317,8 +309,6 @@ def _child_setup(parent: int) -> Callable[[], None] | None:
 
 
 def _popen(args: list[str], **kw):
-    import subprocess
-
     # its own process group: a Ctrl-C at the terminal reaches us only, and we forward one signal
     # (two SIGINTs make llama-server exit at once, without its clean shutdown)
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -335,8 +325,6 @@ def _reap_group(pgid: int) -> None:
 
 def _stop_process(proc, timeout: float, sig: int = signal.SIGTERM) -> int:
     """Signal, wait up to ``timeout`` s, then SIGKILL; returns the exit code."""
-    import subprocess
-
     if proc.poll() is None:
         try:
             proc.send_signal(sig)
@@ -410,8 +398,6 @@ class Server:
     def start(self) -> "Server":
         if self.process is not None and self.process.poll() is None:
             raise ServerError("the server is already running")
-        import subprocess
-
         if self._log_path is None:
             fd, name = tempfile.mkstemp(prefix="ridgefill-server-", suffix=".log")
             os.close(fd)
@@ -477,8 +463,6 @@ def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | N
     code (128 + N when a signal N ended it). Raises ``ValueError`` on bad settings (before starting
     anything) and :class:`ServerError` when the server exits during start-up or is not healthy in
     ``startup_timeout`` s; no path leaves the server running."""
-    import subprocess
-
     echo = echo or (lambda s: print(s, flush=True))
     rf = check_ridgefill(model, ridgefill)
     host = _check_host(host)

@@ -27,13 +27,16 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .fit import FitError
+from . import capture, settings
+from .fit import FitError, bos_prefix, calibration_tokens, heldout_windows
+from .gguf_model import read_metadata, read_model_info
+from .mapfile import (_STATE_GAIN_SUFFIX, STATE_GAIN_PREFIX, check_maps, read_map_file, rewrite_map_file,
+                      state_gain_key_values, tensor_name_state_gain)
+from .prefill import Llama, RidgeFill
 
 
 def late_recurrent_layers(model_path: os.PathLike | str, layers: Sequence[int]) -> list[int]:
     """The recurrent (Gated DeltaNet) layers among the mapped ``layers`` (S+1..L-1) of the model."""
-    from .gguf_model import read_model_info
-
     rec = set(read_model_info(model_path).recurrent_layers)
     return [il for il in layers if il in rec]
 
@@ -41,8 +44,6 @@ def late_recurrent_layers(model_path: os.PathLike | str, layers: Sequence[int]) 
 def ssm_shape(model_path: os.PathLike | str) -> tuple[int, int]:
     """(n_v_heads, S_v) of the model's delta-net state: ``{arch}.ssm.time_step_rank`` heads of
     [S_v, S_v] with S_v = ``ssm.inner_size`` / n_v_heads."""
-    from .gguf_model import read_metadata
-
     md = read_metadata(model_path)
     arch = md.get("general.architecture")
     n_v, d_inner = md.get(f"{arch}.ssm.time_step_rank"), md.get(f"{arch}.ssm.inner_size")
@@ -60,7 +61,8 @@ def _ssm_part(state: np.ndarray, n_v: int, s_v: int, what: str) -> np.ndarray:
 
 
 def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, windows: Sequence[Sequence[int]], *,
-                    tail: int = 64, fraction: float = 0.10, selector: str = "attention", value_rescale: int = 512,
+                    tail: int = settings.TAIL, fraction: float = settings.EXACT_FRACTION,
+                    selector: str = settings.SELECTOR, value_rescale: int = settings.VALUE_RESCALE,
                     n_threads: int | None = None, progress: Callable[[int, int], None] | None = None,
                     on_pair: Callable[[int, dict[int, np.ndarray], dict[int, np.ndarray]], None] | None = None,
                     ) -> list[int]:
@@ -71,10 +73,6 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
     The exact pass runs first on a stock ``Llama`` (its states are kept, float32), which is closed
     before the RidgeFill ``Llama`` opens: one copy of the weights at a time.
     """
-    from .capture import open_model
-    from .mapfile import read_map_file
-    from .prefill import RidgeFill
-
     meta = read_map_file(map_path).meta
     layers = late_recurrent_layers(model_path, meta.layers)
     if not layers:
@@ -92,7 +90,7 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
     total, done = 2 * len(windows), 0
 
     exact_states: list[dict[int, np.ndarray]] = []
-    llm = open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads)
+    llm = capture.open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads)
     try:
         for w in windows:
             llm.reset()
@@ -107,7 +105,7 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
 
     rf = RidgeFill(str(map_path), tail=tail, exact_fraction=fraction, selector=selector,
                    value_rescale=value_rescale, min_prompt=0)
-    llm = open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, ridgefill=rf)
+    llm = capture.open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, ridgefill=rf)
     try:
         llm.ridgefill_record_boundary_states(True)
         for i, w in enumerate(windows):
@@ -130,7 +128,8 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
 
 
 def fit_state_gains(model_path: os.PathLike | str, map_path: os.PathLike | str, windows: Sequence[Sequence[int]], *,
-                    tail: int = 64, fraction: float = 0.10, selector: str = "attention", value_rescale: int = 512,
+                    tail: int = settings.TAIL, fraction: float = settings.EXACT_FRACTION,
+                    selector: str = settings.SELECTOR, value_rescale: int = settings.VALUE_RESCALE,
                     n_threads: int | None = None, progress: Callable[[int, int], None] | None = None,
                     ) -> dict[int, np.ndarray]:
     """The per-head terminal-state gains of every late recurrent layer of ``model_path`` for the maps
@@ -160,9 +159,6 @@ def calibration_windows(model_path: os.PathLike | str, documents: Iterable, *, n
     calibration text, cut as :func:`ridgefill_cpp.fit.fit_ridge_maps` cuts them from the same
     ``documents`` and ``n_tokens``: the windows the fit held out first (their filled states carry the
     maps' out-of-sample error, as at run time), then the others in order."""
-    from .fit import bos_prefix, calibration_tokens, heldout_windows
-    from .prefill import Llama
-
     llm = Llama(str(model_path), vocab_only=True, verbose=False)
     try:
         tokens = calibration_tokens(llm, documents, n_tokens)
@@ -187,9 +183,6 @@ def add_state_gains(map_path: os.PathLike | str, gains: dict[int, np.ndarray],
     none). Atomic (:func:`ridgefill_cpp.mapfile.rewrite_map_file`). Raises
     :class:`~ridgefill_cpp.mapfile.MapFileError` for gains that are not finite, positive, 1-D and
     for mapped layers, ``ValueError`` for unknown or ill-typed settings."""
-    from .mapfile import (_STATE_GAIN_SUFFIX, STATE_GAIN_PREFIX, check_maps, read_map_file, rewrite_map_file,
-                          state_gain_key_values, tensor_name_state_gain)
-
     maps = read_map_file(map_path)
     maps.g = {int(il): np.ascontiguousarray(g, dtype=np.float32) for il, g in gains.items()}
     check_maps(maps)

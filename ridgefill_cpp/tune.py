@@ -27,37 +27,41 @@ higher ceiling, then lower ΔNLL). The Pareto front (:func:`pareto_front`) is ov
 
 from __future__ import annotations
 
-import ctypes
 import datetime as _dt
+import json
 import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from . import metrics
-
-#: what the measuring runner attaches (docs/method.md §5)
-SELECTORS = ("attention", "attention+protected", "probe", "protected", "none")
+from . import __version__, metrics, settings
+from .evaluate import build_documents, default_texts, open_context, plan_summary, text_sources, timed_prefill
+from .files import write_bytes
+from .fit import bos_prefix
+from .gguf_model import read_model_info
+from .mapfile import map_file_splits, write_tuned_defaults
+from .prefill import RidgeFill
+from .report import agg_pyplot, save_figure
 
 
 @dataclass
 class TuneOptions:
-    tails: tuple[int, ...] = (32, 64, 128)
-    fractions: tuple[float, ...] = (0.0, 0.05, 0.10, 0.20)
-    selector: str = "attention"
-    length: int = 2048                # prompt length of the held-out documents (tokens)
-    n_docs: int = 8
-    value_rescale: int = 512
+    tails: tuple[int, ...] = settings.TUNE_TAILS
+    fractions: tuple[float, ...] = settings.TUNE_FRACTIONS
+    selector: str = settings.SELECTOR     # a name of settings.SELECTORS, the same for every setting
+    length: int = settings.TUNE_LENGTH    # prompt length of the held-out documents (tokens)
+    n_docs: int = settings.TUNE_DOCS
+    value_rescale: int = settings.VALUE_RESCALE
     n_threads: int | None = None
     n_boot: int = 2000
     seed: int = 0
     strict: bool = False              # feasible: the CI's upper bound (not the estimate) within the budget
-    n_batch: int = 512
+    n_batch: int = settings.N_BATCH
 
 
 @dataclass
@@ -217,14 +221,6 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     (novel-token ΔNLL, nats); write it into that map file's metadata unless ``write`` is False.
     Raises :class:`NoFeasibleSetting` (a ValueError, nothing written) when no setting is within the
     budget, ValueError / MapFileError for bad input. The model file is only read."""
-    import ridgefill_cpp
-
-    from .evaluate import EvalOptions, _nll, _Runner, build_documents, default_texts, text_sources
-    from ._limits import check_int
-    from .fit import bos_prefix
-    from .gguf_model import read_model_info
-    from .mapfile import map_file_splits, write_tuned_defaults
-
     options = options or TuneOptions()
     t_start = time.perf_counter()
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
@@ -232,11 +228,11 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     if not maps:
         raise ValueError("tune needs at least one map file (--maps)")
     tails, fractions = check_grid(options.tails, options.fractions, options.length)
-    if options.selector not in SELECTORS:
-        raise ValueError(f"selector {options.selector!r}: tune measures one of {', '.join(SELECTORS)}")
+    if options.selector not in settings.SELECTORS:
+        raise ValueError(f"selector {options.selector!r}: tune measures one of {settings.names(settings.SELECTORS)}")
     if options.n_docs < 2:
         raise ValueError(f"n_docs {options.n_docs}: a confidence interval needs at least 2 documents")
-    check_int("value_rescale", options.value_rescale, 0, hint="; 0 is off")  # an int32 in the C parameters
+    settings.check("value_rescale", options.value_rescale)  # an int32 in the C parameters
     info = read_model_info(model)
     if info.context_length and options.length > info.context_length:
         raise ValueError(f"a {options.length}-token prompt is longer than the model's context ({info.context_length})")
@@ -261,16 +257,17 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         if progress:
             progress(done, total, what)
 
-    base = EvalOptions(lengths=[n], selector=options.selector, value_rescale=options.value_rescale,
-                       n_threads=options.n_threads, n_batch=options.n_batch, min_prompt=0)
-    run = _Runner(model, info, n, base)
+    # every setting, measured with min_prompt 0 (the documents are the prompts)
+    fills = [RidgeFill(p.maps, split=p.split, tail=p.tail, exact_fraction=p.exact_fraction, selector=p.selector,
+                       value_rescale=options.value_rescale, min_prompt=0) for p in res.points]
     ceilings: list[list[float]] = [[] for _ in res.points]
     n_exacts: list[list[float]] = [[] for _ in res.points]
+    llm = open_context(model, n, options.n_batch, options.n_threads, fills[0])
     try:
-        bos = bos_prefix(run.llm)
+        bos = bos_prefix(llm)
 
         def tokenize(text: str) -> list[int]:
-            return run.llm.tokenize(text.encode(), add_bos=False, special=False)
+            return llm.tokenize(text.encode(), add_bos=False, special=False)
 
         docs = build_documents(tokenize, bos, texts, n, options.n_docs)
         if len(docs) < 2:
@@ -278,35 +275,29 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
                              "a confidence interval needs at least 2")
         total = 1 + len(docs) * (1 + len(res.points))
         # warm-up, not timed: the context's first exact and first RidgeFill prefill allocate buffers
-        first = res.points[0]
-        run.prefill(docs[0].tokens[:n], k, plan=False)
-        run.attach(first.maps, first.split, replace(base, tail=first.tail, exact_fraction=first.exact_fraction))
-        run.prefill(docs[0].tokens[:n], k, plan=True)
+        timed_prefill(llm, None, docs[0].tokens[:n], k)
+        timed_prefill(llm, fills[0], docs[0].tokens[:n], k)
         tick("warm-up")
         for d in docs:
             prompt, targets = d.tokens[:n], d.tokens[n - k + 1:n + 1]
             novel = metrics.novel_token_mask(d.tokens, n - k + 1)
             res.documents.append({"doc": d.name, "kind": d.kind, "novel_tokens": int(novel.sum())})
-            run.detach()
-            logits, dt = run.prefill(prompt, k, plan=False)
-            nll_exact = _nll(logits, targets)
+            logits, dt = timed_prefill(llm, None, prompt, k)
+            nll_exact = metrics.nll(logits, targets)
             res.exact_times.append(dt)
             tick("exact")
-            for i, p in enumerate(res.points):
-                run.attach(p.maps, p.split, replace(base, tail=p.tail, exact_fraction=p.exact_fraction))
-                logits, dt = run.prefill(prompt, k, plan=True)
-                nll = _nll(logits, targets)
-                st = run.N.llama_ridgefill_stats()
-                run.N.llama_ridgefill_get_stats(run.ctx, ctypes.byref(st))
-                ceilings[i].append(float(st.ceiling) if st.active else 1.0)
-                n_exacts[i].append(float(st.n_exact) if st.active else 0.0)
+            for i, (p, rf) in enumerate(zip(res.points, fills)):
+                logits, dt = timed_prefill(llm, rf, prompt, k)
+                nll = metrics.nll(logits, targets)
+                plan = plan_summary(llm, p.split)
+                ceilings[i].append(plan["ceiling"])
+                n_exacts[i].append(float(plan.get("n_exact", 0.0)))
                 p.times.append(dt)
                 p.docs.append({"doc": d.name, "all": list(metrics.document_delta(nll, nll_exact)),
                                "novel": list(metrics.document_delta(nll, nll_exact, novel))})
                 tick(p.label)
-            run.detach()
     finally:
-        run.close()
+        llm.close()
 
     t_exact = statistics.median(res.exact_times)
     for i, p in enumerate(res.points):
@@ -355,7 +346,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         "speedup": p.speedup, "ceiling": p.ceiling, "value_rescale": options.value_rescale,
         "n_docs": len(res.documents), "length": n, "scored_rows": k,
         "source": "; ".join(res.sources) or "unspecified",
-        "tool_version": ridgefill_cpp.__version__,
+        "tool_version": __version__,
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     }
     if write:
@@ -378,10 +369,6 @@ def _ci_text(d: dict | None, fmt: str = "{:+.4f}") -> str:
 def write_tune_report(res: TuneResult, out_dir: os.PathLike | str) -> list[Path]:
     """Write ``pareto.png``, ``tune.json`` and ``tune.md`` into ``out_dir`` (each atomically); return
     the paths."""
-    import json
-
-    from .files import write_bytes
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = plot_pareto(res, out / "pareto.png")
@@ -395,13 +382,7 @@ def write_tune_report(res: TuneResult, out_dir: os.PathLike | str) -> list[Path]
 def plot_pareto(res: TuneResult, path: Path) -> Path:
     """Speedup against novel-token ΔNLL (95 % CI error bars) for every setting, the Pareto front
     joined by a line, the budget as a vertical line, the chosen setting highlighted and labelled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .report import _save
-
+    plt = agg_pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for j, split in enumerate(res.splits):
@@ -433,7 +414,7 @@ def plot_pareto(res: TuneResult, path: Path) -> Path:
     ax.set_title(f"{Path(res.model).name}: operating points, {res.options['length']}-token prompts, "
                  f"{len(res.documents)} documents", fontsize=10)
     ax.legend(fontsize=7, loc="best")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:

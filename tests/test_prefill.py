@@ -484,41 +484,38 @@ def test_splice_keeps_the_exact_k_or_v_of_filled_rows(arch, tiny_models, oracles
     """The splice test's mechanism: after an exact prefill, the cells forgotten but their data kept,
     a RidgeFill prefill with splice K (V) leaves the filled rows' exact K (V) in place; with both,
     the exact rows see the exact cache everywhere and the logits are stock's."""
-    from ridgefill_cpp.evaluate import EvalOptions, _Runner
+    from ridgefill_cpp.evaluate import EvalOptions, open_context, timed_prefill
 
     o = oracles[arch]
     S = _split(arch, o)
     opts = EvalOptions(tail=TAIL, n_threads=1, n_batch=64)
-    from ridgefill_cpp.gguf_model import read_model_info
-
-    run = _Runner(tiny_models[arch], read_model_info(tiny_models[arch]), 256, opts)
+    llm = open_context(tiny_models[arch], 256, opts.n_batch, opts.n_threads, opts.ridgefill(map_files[arch], S))
     try:
         positions = list(range(N_TOKENS))
-        stock, _ = run.prefill(prompt, 1, plan=False)
-        exact_kv = {il: run.llm.read_kv(il, positions) for il in range(S, o.n_layer)}
+        stock, _ = timed_prefill(llm, None, prompt, 1)
+        exact_kv = {il: llm.read_kv(il, positions) for il in range(S, o.n_layer)}
         for mode in (1, 2, 3):
-            run.prefill(prompt, 1, plan=False)
-            run.clear_cells()
-            run.attach(map_files[arch], S, opts, splice=mode)
-            logits, _ = run.prefill(prompt, 1, plan=True)
+            timed_prefill(llm, None, prompt, 1)
+            llm.forget_cells()
+            rf = opts.ridgefill(map_files[arch], S, splice={1: "K", 2: "V", 3: "KV"}[mode])
+            logits, _ = timed_prefill(llm, rf, prompt, 1)
             st = N.llama_ridgefill_stats()
-            N.llama_ridgefill_get_stats(run.ctx, ctypes.byref(st))
+            N.llama_ridgefill_get_stats(llm._ctx.ctx, ctypes.byref(st))
             assert st.active and st.n_filled > 0
-            exact = set(run.llm.ridgefill_stats.get("exact_positions", []))
-            n_ex = N.llama_ridgefill_get_exact(run.ctx, None, 0)
+            exact = set(llm.ridgefill_stats.get("exact_positions", []))
+            n_ex = N.llama_ridgefill_get_exact(llm._ctx.ctx, None, 0)
             buf = (ctypes.c_int32 * n_ex)()
-            N.llama_ridgefill_get_exact(run.ctx, buf, n_ex)
+            N.llama_ridgefill_get_exact(llm._ctx.ctx, buf, n_ex)
             filled = [p for p in range(N_TOKENS - TAIL) if p not in set(buf[:n_ex]) | exact]
             for il in range(S + 1, o.n_layer):
-                k, v = run.llm.read_kv(il, filled)
+                k, v = llm.read_kv(il, filled)
                 ek, ev = exact_kv[il][0][filled], exact_kv[il][1][filled]
                 assert np.array_equal(k, ek) == bool(mode & 1), (mode, il)
                 assert np.array_equal(v, ev) == bool(mode & 2), (mode, il)
             if mode == 3:
                 assert rel(logits[-1], stock[-1]) < 1e-3
-            run.detach()
     finally:
-        run.close()
+        llm.close()
 
 
 @pytest.mark.slow

@@ -1,0 +1,251 @@
+"""RidgeFill's settings vocabulary, in one place: the defaults, the selector and token-class names
+with their C values, the ``protected:CLASS+CLASS`` selector grammar, the check of every setting,
+and the keys of ``Llama.ridgefill_stats``.
+
+:class:`ridgefill_cpp.RidgeFill`, the command line and the commands' library functions (``bench``,
+``eval``, ``tune``, ``serve``, ``fit --state-gains``) all read their defaults and names from here;
+no other module restates them. The module imports nothing heavy (no numpy, no llama.cpp), so the
+command line can format its ``--help`` texts from it.
+
+The C values mirror the enums of ``csrc/llama-ridgefill.h`` (docs/method.md §5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ._limits import INT32_MAX, check_fraction, check_int
+
+# ------------------------------------------------------------------------------------------------
+# the plan's defaults (RidgeFill's keyword arguments)
+
+#: T: the last prompt rows, always exact
+TAIL = 64
+#: share of the prefix rows the selector keeps exact
+EXACT_FRACTION = 0.10
+#: the exact-row selector
+SELECTOR = "attention"
+#: c: tail rows the per-head value scale is measured on (0: off)
+VALUE_RESCALE = 512
+#: c_K: tail rows the key scale is measured on (0: off)
+KEY_RESCALE = 0
+#: prompts with fewer new rows run stock prefill
+MIN_PROMPT = 1024
+#: the attention selector's query rows (the last prompt rows)
+N_QUERIES = 64
+#: filled rows per fill step (0: n_ubatch)
+FILL_CHUNK = 0
+#: the protected selector's token classes (chosen from the eval: README, "Selectors")
+PROTECTED = ("sink", "digits")
+#: where the maps live
+PLACEMENT = "resident"
+
+#: the settings ``ridgefill-gguf tune`` chooses and writes into a map file (``ridgefill.tuned.*``),
+#: with their built-in defaults: an explicit value wins over the map file's, which wins over these
+TUNABLE_DEFAULTS: Mapping[str, Any] = {"tail": TAIL, "exact_fraction": EXACT_FRACTION, "selector": SELECTOR}
+
+# ------------------------------------------------------------------------------------------------
+# the commands' defaults (the library functions and the command line share them)
+
+#: llama.cpp batch (and ubatch) size of bench, eval and tune
+N_BATCH = 512
+#: bench: prompt lengths, timed prefills per variant and length, greedy tokens compared with stock's
+BENCH_LENGTHS = (2048, 4096)
+BENCH_REPEATS = 3
+BENCH_GREEDY_TOKENS = 16
+#: eval: prompt lengths and documents per length
+EVAL_LENGTHS = (2048,)
+EVAL_DOCS = 12
+#: eval --quick: a smoke run (a few minutes on SmolLM2)
+EVAL_QUICK: Mapping[str, Any] = {"lengths": (1024,), "n_docs": 4, "depths": (0.2, 0.6), "names_per_depth": 1,
+                                 "n_boot": 500}
+#: tune: the grid of tails and exact fractions, the held-out documents' length and number
+TUNE_TAILS = (32, 64, 128)
+TUNE_FRACTIONS = (0.0, 0.05, 0.10, 0.20)
+TUNE_LENGTH = 2048
+TUNE_DOCS = 8
+#: fit: the calibration token budget and rows per calibration window
+FIT_TOKENS = 100_000
+FIT_CTX = 512
+#: fit --state-gains: at most this many calibration windows
+STATE_GAIN_WINDOWS = 16
+
+# ------------------------------------------------------------------------------------------------
+# names and their C values
+
+#: selectors by name -> enum llama_ridgefill_selector (docs/method.md §5); a sequence of positions
+#: is the explicit selector (RidgeFill.selector then reads "positions")
+SELECTORS: Mapping[str, int] = {
+    "attention": 1,
+    "attention+protected": 4,
+    "probe": 2,
+    "protected": 3,
+    "none": 0,
+}
+#: the selectors that keep the rows of token classes (``protected:CLASS+CLASS`` names them)
+CLASS_SELECTORS = ("protected", "attention+protected")
+
+#: row classes of the protected selectors -> enum llama_ridgefill_token_class (a bit mask)
+TOKEN_CLASSES: Mapping[str, int] = {
+    "sink": 8,        # positions 0-3, the attention sink
+    "digits": 1,      # a decimal digit in the token's text
+    "rare": 2,        # the token occurs once in the prompt
+    "line_start": 4,  # the token after a newline
+}
+
+#: RidgeFill(placement=...)
+PLACEMENTS = ("resident", "host")
+#: RidgeFill(state_correction=...) -> enum llama_ridgefill_state_correction
+STATE_CORRECTIONS: Mapping[str | None, int] = {None: 0, "gain": 1}
+#: RidgeFill(splice=...) -> enum llama_ridgefill_splice (diagnostics, the splice test of docs/method.md §9:
+#: the filled rows keep the late-layer K, V or both that the cells already hold)
+SPLICES: Mapping[str | None, int] = {None: 0, "K": 1, "V": 2, "KV": 3}
+
+# ------------------------------------------------------------------------------------------------
+# what the library reports
+
+#: the keys of ``Llama.ridgefill_stats`` (the last planned prefill; ``{}`` when it ran stock), in order
+STATS: Mapping[str, str] = {
+    "n_prompt": "rows of the prompt (the new rows of this prefill)",
+    "pos0": "position of its first row",
+    "n_layer": "L, the model's layers",
+    "split": "S, the first late layer",
+    "tail": "T, the last prompt rows, exact",
+    "n_filled": "prefix rows filled",
+    "n_exact": "prefix rows the selector kept exact",
+    "exact_positions": "their positions",
+    "selector_layer": "the attention selector's layer (-1: none)",
+    "value_scale_rows": "tail rows the value scale was measured on",
+    "probe_rows": "extra late-layer rows of the probe selector",
+    "ceiling": "the plan's compute ceiling 1/r",
+    "late_ms": "time in the late layers (ms)",
+    "prefill_ms": "time of the whole prefill (ms)",
+    "maps_bytes": "bytes of the maps (0: identity fill)",
+    "maps_placement": "'resident' or 'host'",
+    "maps_buffers": "the ggml buffer types holding the maps",
+}
+
+
+def names(table: Mapping | Sequence) -> str:
+    """The names of a table, comma-separated, for messages and help texts."""
+    return ", ".join(str(k) for k in table)
+
+
+# ------------------------------------------------------------------------------------------------
+# the selector grammar
+
+
+def parse_classes(classes: str | Sequence[str]) -> tuple[str, ...]:
+    """Token class names from ``"digits,rare"`` or ``("digits", "rare")``, after checking them (at
+    least one, each a name of :data:`TOKEN_CLASSES`)."""
+    if isinstance(classes, str):
+        names_ = [c.strip() for c in classes.split(",")]
+    else:
+        names_ = [str(c) for c in classes]
+    names_ = [c for c in names_ if c]
+    bad = [c for c in names_ if c not in TOKEN_CLASSES]
+    if bad or not names_:
+        raise ValueError(f"protected token classes {classes!r}: use one or more of {names(TOKEN_CLASSES)}")
+    return tuple(names_)
+
+
+def protected_mask(classes: str | Sequence[str]) -> int:
+    """The C bit mask of token class names (``"digits,rare"`` or ``("digits", "rare")``)."""
+    mask = 0
+    for c in parse_classes(classes):
+        mask |= TOKEN_CLASSES[c]
+    return mask
+
+
+def parse_selector(spec: str) -> dict[str, Any]:
+    """A selector spec of the command line and the server -> RidgeFill keyword arguments:
+    ``attention``, ``probe``, ``none``, ``protected`` / ``attention+protected`` (the default
+    classes, :data:`PROTECTED`) or either with ``:CLASS+CLASS`` (names of :data:`TOKEN_CLASSES`):
+    ``{"selector": name}``, plus ``"protected": classes`` when the spec names them."""
+    name, _, classes = str(spec).partition(":")
+    if name not in SELECTORS or (classes and name not in CLASS_SELECTORS):
+        raise ValueError(f"selector {spec!r}: use one of {names(SELECTORS)}, or protected:CLASS+CLASS")
+    if not classes:
+        return {"selector": name}
+    return {"selector": name, "protected": parse_classes(classes.split("+"))}
+
+
+# ------------------------------------------------------------------------------------------------
+# checks: every setting before it crosses into C (int32, no silent truncation, no bools)
+
+#: integer settings -> (lowest value, what the message adds)
+_INT_SETTINGS: Mapping[str, tuple[int, str]] = {
+    "split": (1, ""),
+    "tail": (1, ": the last prompt rows kept exact (at least the last prompt row must be exact)"),
+    "value_rescale": (0, "; 0 is off"),
+    "key_rescale": (0, "; 0 is off"),
+    "min_prompt": (0, ""),
+    "n_queries": (1, ""),
+    "selector_layer": (0, "; None is the last full-attention layer below the split"),
+    "fill_chunk": (0, "; 0 is n_ubatch"),
+}
+
+
+def check(setting: str, value: Any, *, label: str | None = None, hint: str = "") -> Any:
+    """``value`` of RidgeFill setting ``setting`` after checking it, normalised (an int, a float in
+    [0, 1], a selector name or a sorted tuple of positions, a tuple of class names, ...); raises
+    ``ValueError`` naming ``label`` (default: the setting) and adding ``hint``."""
+    label = setting if label is None else label
+    if setting in _INT_SETTINGS:
+        lo, what = _INT_SETTINGS[setting]
+        return check_int(label, value, lo, hint=what + hint)
+    if setting == "exact_fraction":
+        return check_fraction(label, value, hint)
+    if setting == "selector":
+        return check_selector(value, hint=hint)
+    if setting == "protected":
+        parse_classes(value)
+        return value if isinstance(value, str) else tuple(value)
+    if setting == "placement":
+        if value not in PLACEMENTS:
+            raise ValueError(f"{label} {value!r}: use one of {names(PLACEMENTS)}")
+        return value
+    if setting == "state_correction":
+        if value not in STATE_CORRECTIONS:
+            raise ValueError(f"{label} {value!r}: use None or 'gain'")
+        return value
+    if setting == "splice":
+        if value not in SPLICES:
+            raise ValueError(f"{label} {value!r}: use None, 'K', 'V' or 'KV'")
+        return value
+    raise ValueError(f"unknown RidgeFill setting {setting!r}")
+
+
+def check_selector(selector: str | Sequence[int], *, hint: str = "") -> str | tuple[int, ...]:
+    """A selector name (of :data:`SELECTORS`), or the sorted distinct positions of an explicit one."""
+    if isinstance(selector, str):
+        if selector not in SELECTORS:
+            raise ValueError(f"selector {selector!r}: use one of {names(SELECTORS)} or a list of positions{hint}")
+        return selector
+    try:
+        given = list(selector)
+    except TypeError as e:
+        raise ValueError(f"selector {selector!r}: use one of {names(SELECTORS)} or a list of positions") from e
+    return tuple(sorted({check_int("selector position", p, 0, INT32_MAX) for p in given}))
+
+
+def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``tail``, ``exact_fraction`` and ``selector`` resolved: the ``given`` value when not None,
+    else the map file's ``tuned`` one (``ridgefill.tuned.*``), else the built-in default
+    (:data:`TUNABLE_DEFAULTS`). Returns the values and where each came from (``"argument"``,
+    ``"map file"`` or ``"built-in"``)."""
+    values, origin = {}, {}
+    for name, builtin in TUNABLE_DEFAULTS.items():
+        if given.get(name) is not None:
+            values[name], origin[name] = given[name], "argument"
+        elif tuned is not None and name in tuned:
+            values[name], origin[name] = tuned[name], "map file"
+        else:
+            values[name], origin[name] = builtin, "built-in"
+    return values, origin
+
+
+__all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
+           "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "SELECTORS", "CLASS_SELECTORS", "TOKEN_CLASSES",
+           "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",
+           "parse_selector", "check", "check_selector", "resolve_tunable"]
