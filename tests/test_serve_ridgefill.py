@@ -141,14 +141,14 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     _assert_same(res, lib)
     st = res["ridgefill"]
     assert st["requested"] and st["applied"]
-    assert (st["n_prompt"], st["split_layer"], st["n_layer"], st["n_tail"]) == (400, 3, 6, 16)
+    assert (st["n_prompt"], st["split"], st["n_layer"], st["tail"]) == (400, 3, 6, 16)
     assert st["n_exact"] == lib[2]["n_exact"] == int(np.ceil(0.1 * (400 - 16)))
     assert st["n_filled"] == 400 - 16 - st["n_exact"]
     assert st["selector"] == "attention" and st["exact_fraction"] == pytest.approx(0.1)
     r = 3 / 6 + (1 - 3 / 6) * (16 + st["n_exact"]) / 400
     assert st["ceiling"] == pytest.approx(1 / r, rel=1e-5)
-    assert 0 < st["t_late_ms"] <= st["t_prompt_ms"]
-    assert st["t_prompt_ms"] == pytest.approx(res["timings"]["prompt_ms"], rel=0.05)
+    assert 0 < st["late_ms"] <= st["prefill_ms"]
+    assert st["prefill_ms"] == pytest.approx(res["timings"]["prompt_ms"], rel=0.05)
     # GET /props tells clients the server's settings
     props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
     assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "min_prompt": 64}
@@ -177,11 +177,11 @@ def test_per_request_settings_override_the_servers(tiny, tiny_models):
         kw.update(over)
         _assert_same(res, _library(model, prompt, RidgeFill.identity(**kw)))
         st = res["ridgefill"]
-        assert st["applied"] and st["n_tail"] == kw["tail"] and st["selector"] == kw["selector"]
+        assert st["applied"] and st["tail"] == kw["tail"] and st["selector"] == kw["selector"]
         assert st["n_filled"] == 300 - kw["tail"] - st["n_exact"]
     # back to the server's settings
     res = _complete(tiny, prompt, ridgefill=True)
-    assert res["ridgefill"]["n_tail"] == 16 and res["ridgefill"]["selector"] == "attention"
+    assert res["ridgefill"]["tail"] == 16 and res["ridgefill"]["selector"] == "attention"
 
 
 BAD = [("yes", "must be false"), (1, "must be false"), ([], "must be false"), ({"tail": 0}, '"tail"'),
@@ -210,7 +210,7 @@ def test_openai_client_extra_body_and_statistics(tiny, tiny_models):
     c = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
                                   extra_body={"ridgefill": {"tail": 24}, "cache_prompt": False})
     st = c.model_extra["ridgefill"]
-    assert st["applied"] and st["n_tail"] == 24 and "timings" in c.model_extra
+    assert st["applied"] and st["tail"] == 24 and "timings" in c.model_extra
     c = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
                                   extra_body={"ridgefill": False, "cache_prompt": False})
     assert c.model_extra["ridgefill"]["applied"] is False
@@ -247,7 +247,7 @@ def test_metrics_count_ridgefill_prefills_and_rows(tiny, tiny_models):
     assert after["ridgefill_prefills_total"] - before["ridgefill_prefills_total"] == 2
     assert after["ridgefill_rows_filled_total"] - before["ridgefill_rows_filled_total"] == sum(s["n_filled"] for s in stats)
     assert after["ridgefill_rows_exact_total"] - before["ridgefill_rows_exact_total"] == \
-        sum(s["n_exact"] + s["n_tail"] for s in stats)
+        sum(s["n_exact"] + s["tail"] for s in stats)
 
 
 def test_prompt_cache_never_serves_approximate_rows_to_an_exact_request(tiny, tiny_models):
@@ -439,7 +439,7 @@ def test_gemma3_ridge_maps_sliding_window_layers_and_no_checkpoints(tiny_models,
             prompt = _prompt(model, n)
             res = _complete(s, prompt)
             _assert_same(res, _library(model, prompt, rf))
-            assert res["ridgefill"]["applied"] and res["ridgefill"]["split_layer"] == 4
+            assert res["ridgefill"]["applied"] and res["ridgefill"]["split"] == 4
         log = s.log()
     assert "--swa-full" in log and "created context checkpoint" not in log
 
@@ -464,7 +464,7 @@ def test_qwen35_hybrid_through_the_server_equals_the_library(tiny_models, tmp_pa
             lib = _library(model, prompt, rf)
             _assert_same(res, lib)
             st = res["ridgefill"]
-            assert st["applied"] and st["split_layer"] == 3 and st["n_filled"] == lib[2]["n_filled"] > 0
+            assert st["applied"] and st["split"] == 3 and st["n_filled"] == lib[2]["n_filled"] > 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -495,7 +495,7 @@ def test_smollm2_long_prompts_on_off_and_four_clients(smollm2_path, tmp_path):
             assert not t.is_alive()
         for i, a in enumerate(alone):
             r = results[i]
-            assert a["ridgefill"]["applied"] and r["ridgefill"]["applied"] and a["ridgefill"]["split_layer"] == 20
+            assert a["ridgefill"]["applied"] and r["ridgefill"]["applied"] and a["ridgefill"]["split"] == 20
             assert (r["ridgefill"]["n_filled"], r["ridgefill"]["n_exact"]) == (a["ridgefill"]["n_filled"], a["ridgefill"]["n_exact"])
             # Served at once, a prompt's rows sit in other KV cells than served alone, and the masked
             # cells change the order of float sums: on this model that moves the first-token
@@ -523,7 +523,7 @@ def test_cli_serve_with_identity_split_reaches_the_server(tiny_models, tmp_path)
         assert cmd[cmd.index("--ridgefill-split") + 1] == "3" and cmd[cmd.index("--ridgefill-tail") + 1] == "12"
         status, res = _post(url + "/completion", {"prompt": _prompt(model, 150), "n_predict": 2, "cache_prompt": False})
         assert status == 200 and res["ridgefill"]["applied"]
-        assert (res["ridgefill"]["split_layer"], res["ridgefill"]["n_tail"]) == (3, 12)
+        assert (res["ridgefill"]["split"], res["ridgefill"]["tail"]) == (3, 12)
         proc.send_signal(__import__("signal").SIGTERM)
         assert proc.wait(timeout=20) == 0
         _assert_stopped_cleanly(server)
@@ -598,7 +598,7 @@ def test_measure_server_tool_runs_end_to_end(tiny_models, tmp_path):
     d = json.loads(out.read_text())
     assert len(d["ttft_s"]["exact"]) == len(d["ttft_s"]["ridgefill"]) == 2 and d["speedup"] > 0
     st = d["ridgefill_stats"]
-    assert st["applied"] and st["n_prompt"] == 300 and st["split_layer"] == 3
+    assert st["applied"] and st["n_prompt"] == 300 and st["split"] == 3
     for name in ("exact", "ridgefill"):
         assert len(d["concurrent"][name]["ttft_s"]) == 2
         g = d["generation_during_prefill"][name]

@@ -138,8 +138,8 @@ def main() -> int:
     print(f"  exact     {m['exact'] * 1e3:8.0f} ms   {', '.join(f'{t * 1e3:.0f}' for t in times['exact'])}")
     print(f"  RidgeFill {m['ridgefill'] * 1e3:8.0f} ms   {', '.join(f'{t * 1e3:.0f}' for t in times['ridgefill'])}")
     if stats and stats.get("applied"):
-        print(f"  speedup {res['speedup']:.2f}x, ceiling {stats['ceiling']:.2f}x (S = {stats['split_layer']}, "
-              f"{stats['n_filled']} rows filled, {stats['n_exact']} + {stats['n_tail']} exact)")
+        print(f"  speedup {res['speedup']:.2f}x, ceiling {stats['ceiling']:.2f}x (S = {stats['split']}, "
+              f"{stats['n_filled']} rows filled, {stats['n_exact']} + {stats['tail']} exact)")
     else:
         print(f"  speedup {res['speedup']:.2f}x; RidgeFill not applied: {(stats or {}).get('reason')}")
     for name, c in res["concurrent"].items():

@@ -264,17 +264,18 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     n_filled = st.n_filled;
     n_exact  = st.n_exact + st.n_tail;
 
+    // the keys of Llama.ridgefill_stats (ridgefill_cpp/settings.py), and what only the server knows
     stats["applied"]        = true;
     stats["n_prompt"]       = st.n_prompt;
     stats["n_filled"]       = st.n_filled;
     stats["n_exact"]        = st.n_exact;
-    stats["n_tail"]         = st.n_tail;
-    stats["split_layer"]    = st.split_layer;
+    stats["tail"]           = st.n_tail;
+    stats["split"]          = st.split_layer;
     stats["n_layer"]        = st.n_layer;
     stats["selector"]       = server_ridgefill_selector_name(attached.selector);
     stats["exact_fraction"] = attached.exact_fraction;
-    stats["n_probe"]        = st.n_probe;
+    stats["probe_rows"]     = st.n_probe;
     stats["ceiling"]        = st.ceiling;
-    stats["t_late_ms"]      = st.t_late_ms;
-    stats["t_prompt_ms"]    = t_prompt_ms;
+    stats["late_ms"]        = st.t_late_ms;
+    stats["prefill_ms"]     = t_prompt_ms;
 }
