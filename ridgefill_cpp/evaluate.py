@@ -203,6 +203,23 @@ def timed_prefill(llm: Llama, ridgefill: RidgeFill | None, tokens: Sequence[int]
     return logits, time.perf_counter() - t0
 
 
+def text_tokenizer(llm: Llama) -> Callable[[str], list[int]]:
+    """Text -> token ids of ``llm``'s vocabulary, no BOS, no special tokens (the documents' pieces)."""
+    return lambda text: llm.tokenize(text.encode(), add_bos=False, special=False)
+
+
+class Ticker:
+    """Counts the runs of a measurement and reports each: ``progress(done, total, what)``."""
+
+    def __init__(self, total: int, progress: Callable[[int, int, str], None] | None):
+        self.total, self.done, self.progress = total, 0, progress
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, self.total, what)
+
+
 def plan_summary(llm: Llama, split: int) -> dict:
     """The ceiling and exact / filled rows of the last prefill (ceiling 1 when it ran stock)."""
     st = llm.ridgefill_stats
@@ -294,21 +311,11 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     per_doc_runs = 2 + len(fills) + 2 * (len(variants) - len(fills))
     conditions = _retrieval_conditions(options, maps[0], S0)
     n_retr = len(options.depths) * options.names_per_depth
-    total = len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions))
-    done = 0
-
-    def tick(what: str) -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, what)
-
+    tick = Ticker(len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions)), progress)
     llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge)
     try:
         bos = bos_prefix(llm)
-
-        def tokenize(text: str) -> list[int]:
-            return llm.tokenize(text.encode(), add_bos=False, special=False)
+        tokenize = text_tokenizer(llm)
 
         for n in lengths:
             key = str(n)
@@ -447,7 +454,7 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[s
 
 
 def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
-               conditions: dict[str, RidgeFill | None], tick) -> dict:
+               conditions: dict[str, RidgeFill | None], tick: Ticker) -> dict:
     """Planted-fact prompts: the fact in the filled region at each depth, the question in the tail."""
     rng = np.random.default_rng(options.seed + n)
     kind = "documentation" if "documentation" in texts else next(iter(texts))

@@ -44,17 +44,17 @@ class RidgeFill:
     exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``tail``,
     ``exact_fraction`` and ``selector`` left as None resolve to the operating point
     ``ridgefill-gguf tune`` wrote into the map file (its ``ridgefill.tuned.*`` keys), else to the
-    built-in defaults (:data:`ridgefill_cpp.settings.TUNABLE_DEFAULTS`: 64, 0.10, ``"attention"``);
-    an explicit argument always wins. After construction they hold the resolved values;
-    :attr:`tuned` is the map file's tuned operating point (None: it has none) and :attr:`origin`
-    says where each of the three came from (``"argument"``, ``"map file"`` or ``"built-in"``).
+    built-in defaults (:data:`ridgefill_cpp.settings.TUNABLE_DEFAULTS`); an explicit argument
+    always wins. After construction they hold the resolved values; :attr:`tuned` is the map file's
+    tuned operating point (None: it has none) and :attr:`origin` says where each of the three came
+    from (``"argument"``, ``"map file"`` or ``"built-in"``).
     ``selector``: ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
     runs them against the filled cache; costs T more rows), ``"protected"`` (rows in the classes of
-    ``protected``, default ``("sink", "digits")``: ``"sink"`` = positions 0-3, ``"digits"``, ``"rare"``
-    = once in the prompt, ``"line_start"``; no attention pass), ``"attention+protected"`` (the
-    protected rows, then the attention selector's), ``"none"``, or a list of absolute positions
-    that stay exact.
+    ``protected``, default :data:`ridgefill_cpp.settings.PROTECTED`: ``"sink"`` = positions 0-3,
+    ``"digits"``, ``"rare"`` = once in the prompt, ``"line_start"``; no attention pass),
+    ``"attention+protected"`` (the protected rows, then the attention selector's), ``"none"``, or a
+    list of absolute positions that stay exact.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
     ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the

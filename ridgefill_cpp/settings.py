@@ -67,8 +67,6 @@ TUNE_DOCS = 8
 #: fit: the calibration token budget and rows per calibration window
 FIT_TOKENS = 100_000
 FIT_CTX = 512
-#: fit --state-gains: at most this many calibration windows
-STATE_GAIN_WINDOWS = 16
 
 # ------------------------------------------------------------------------------------------------
 # names and their C values
@@ -158,7 +156,7 @@ def protected_mask(classes: str | Sequence[str]) -> int:
 
 
 def parse_selector(spec: str) -> dict[str, Any]:
-    """A selector spec of the command line and the server -> RidgeFill keyword arguments:
+    """A selector spec of the command line (bench, eval) -> RidgeFill keyword arguments:
     ``attention``, ``probe``, ``none``, ``protected`` / ``attention+protected`` (the default
     classes, :data:`PROTECTED`) or either with ``:CLASS+CLASS`` (names of :data:`TOKEN_CLASSES`):
     ``{"selector": name}``, plus ``"protected": classes`` when the spec names them."""
@@ -246,6 +244,8 @@ def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -
 
 
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
-           "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "SELECTORS", "CLASS_SELECTORS", "TOKEN_CLASSES",
+           "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
+           "BENCH_GREEDY_TOKENS", "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS",
+           "TUNE_LENGTH", "TUNE_DOCS", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "TOKEN_CLASSES",
            "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",
            "parse_selector", "check", "check_selector", "resolve_tunable"]

@@ -40,7 +40,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import __version__, metrics, settings
-from .evaluate import build_documents, default_texts, open_context, plan_summary, text_sources, timed_prefill
+from .evaluate import (Ticker, build_documents, default_texts, open_context, plan_summary, text_sources, text_tokenizer,
+                       timed_prefill)
 from .files import write_bytes
 from .fit import bos_prefix
 from .gguf_model import read_model_info
@@ -248,14 +249,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     res.options["tails"], res.options["fractions"] = list(tails), list(fractions)
     res.points = [TunePoint(str(m), s, t, f, options.selector) for m, s in zip(maps, splits) for t in tails
                   for f in fractions]
-    total = 1 + options.n_docs * (1 + len(res.points))
-    done = 0
-
-    def tick(what: str) -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, what)
+    tick = Ticker(1 + options.n_docs * (1 + len(res.points)), progress)
 
     # every setting, measured with min_prompt 0 (the documents are the prompts)
     fills = [RidgeFill(p.maps, split=p.split, tail=p.tail, exact_fraction=p.exact_fraction, selector=p.selector,
@@ -264,16 +258,11 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     n_exacts: list[list[float]] = [[] for _ in res.points]
     llm = open_context(model, n, options.n_batch, options.n_threads, fills[0])
     try:
-        bos = bos_prefix(llm)
-
-        def tokenize(text: str) -> list[int]:
-            return llm.tokenize(text.encode(), add_bos=False, special=False)
-
-        docs = build_documents(tokenize, bos, texts, n, options.n_docs)
+        docs = build_documents(text_tokenizer(llm), bos_prefix(llm), texts, n, options.n_docs)
         if len(docs) < 2:
             raise ValueError(f"the held-out text holds only {len(docs)} document of {n + 1} tokens: "
                              "a confidence interval needs at least 2")
-        total = 1 + len(docs) * (1 + len(res.points))
+        tick.total = 1 + len(docs) * (1 + len(res.points))
         # warm-up, not timed: the context's first exact and first RidgeFill prefill allocate buffers
         timed_prefill(llm, None, docs[0].tokens[:n], k)
         timed_prefill(llm, fills[0], docs[0].tokens[:n], k)
