@@ -1,4 +1,4 @@
-"""Prefill timing, side by side (docs/method.md §10): several variants of one prompt, alternated, repeated.
+"""Prefill timing, side by side (docs/design.md §10): several variants of one prompt, alternated, repeated.
 
 Absolute times on a shared machine are noise; the figure is the ratio of medians measured in one
 run, with the same build, threads, context and batch sizes for every variant. Each repetition
@@ -63,7 +63,7 @@ class BenchResult:
     lengths: list[int]
     # variant -> length -> seconds of every repetition
     times: dict[str, dict[int, list[float]]] = field(default_factory=dict)
-    # length -> the ceiling 1/r of the plan (docs/method.md §4; 1.0 when the prompt ran stock)
+    # length -> the ceiling 1/r of the plan (docs/design.md §4; 1.0 when the prompt ran stock)
     ceiling: dict[int, float] = field(default_factory=dict)
     # fill variant -> length -> KL(stock || variant) of the last row, nats
     kl: dict[str, dict[int, float]] = field(default_factory=dict)

@@ -337,7 +337,7 @@ def fit(
         16, "--state-gain-windows", min=1, help="At most this many calibration windows (of --ctx rows) for the state gains."),
 ) -> None:
     """Fit one closed-form ridge map per late layer from llama.cpp's own hidden states on calibration
-    text, and write them as a GGUF side file (docs/method.md §7). For hybrid models, also the terminal-state
+    text, and write them as a GGUF side file (docs/design.md §7). For hybrid models, also the terminal-state
     gains (--state-gains)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
@@ -530,7 +530,7 @@ def bench(
 ) -> None:
     """Time prefill side by side in one process, alternated and repeated: stock against RidgeFill with
     the ridge maps (--maps) and with identity fill at the same S, T and selector. Prints per prompt
-    length the median times, the speedup, the ceiling 1/r of docs/method.md §4 and speedup / ceiling, then
+    length the median times, the speedup, the ceiling 1/r of docs/design.md §4 and speedup / ceiling, then
     the quality of each fill against stock on the same prompt (last-token KL, greedy agreement).
     Ratios are the figure; absolute times on a shared machine are noise."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn

@@ -1,4 +1,4 @@
-"""``ridgefill-gguf eval``: the quality report of docs/method.md §9, on libllama's own prefill paths.
+"""``ridgefill-gguf eval``: the quality report of docs/design.md §9, on libllama's own prefill paths.
 
 Every figure compares filled-row prefill with exact prefill of the same model and prompt, run in
 one context of the patched llama.cpp:

@@ -1,6 +1,6 @@
 """Fitting the ridge maps: hidden states from llama.cpp, streaming statistics, closed-form solve.
 
-For a split S and every late layer l = S+1 .. L-1, fit ``x_l ≈ A_l φ(x_S) + b_l`` (docs/method.md §8):
+For a split S and every late layer l = S+1 .. L-1, fit ``x_l ≈ A_l φ(x_S) + b_l`` (docs/design.md §8):
 
 1. **Capture.** The calibration text is tokenized with the model's own tokenizer and cut into
    windows of ``ctx`` rows, each a fresh sequence starting with BOS where the model uses one.

@@ -20,7 +20,7 @@ import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 
-#: architectures RidgeFill implements (docs/method.md §6): model inspection, ``fit`` and libllama's
+#: architectures RidgeFill implements (docs/design.md §6): model inspection, ``fit`` and libllama's
 #: filled-row prefill (csrc/ refuses the rest); anything else is refused with this list. Read it
 #: through :func:`supported_architectures`.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
@@ -256,7 +256,7 @@ class ModelInfo:
 
     @property
     def default_split(self) -> int:
-        """S = L - floor(L/3) (docs/method.md §8)."""
+        """S = L - floor(L/3) (docs/design.md §8)."""
         return self.n_layer - self.n_layer // 3
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The RidgeFill map file (docs/method.md §7): GGUF side tensors, their metadata schema, reading and writing.
+"""The RidgeFill map file (docs/design.md §7): GGUF side tensors, their metadata schema, reading and writing.
 
 One module owns the schema (key names, tensor names) so that ``fit``, ``info``, the runtime loader
 and the tests agree. A map file is a GGUF adapter::
@@ -9,7 +9,7 @@ and the tests agree. A map file is a GGUF adapter::
     blk.{l}.ridgefill_b.bias    [n_embd]          F32
     for every late layer l = S+1 .. L-1          (l = S uses x_S itself)
     blk.{l}.ridgefill_state_gain.weight [n_v_heads]  F32, optional (hybrid models, qwen35): the
-        per-value-head gains of the terminal-state correction (docs/method.md §4 item 4;
+        per-value-head gains of the terminal-state correction (docs/design.md §4 item 4;
         :mod:`ridgefill_cpp.state_gains`), for every mapped layer l that is recurrent (Gated
         DeltaNet) or for none; n_v_heads = the model's ``{arch}.ssm.time_step_rank``; with them,
         optionally, ``ridgefill.state_gain.*``: the operating point they were fitted at

@@ -1,4 +1,4 @@
-"""The quality metrics of ``ridgefill-gguf eval`` (docs/method.md §9), as plain numpy functions.
+"""The quality metrics of ``ridgefill-gguf eval`` (docs/design.md §9), as plain numpy functions.
 
 Every figure compares a filled run with exact prefill of the same model and prompt. Per-token
 losses (NLL, in nats) come from the caller's logits (:func:`nll`); this module defines which tokens

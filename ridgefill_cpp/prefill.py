@@ -2,7 +2,7 @@
 
 ``Llama`` is llama-cpp-python's ``Llama`` with one more keyword, ``ridgefill``. With
 ``ridgefill=None`` (the default) it *is* llama-cpp-python's class, untouched. Otherwise every prompt
-of at least ``min_prompt`` new rows is prefilled by libllama's RidgeFill path (docs/method.md §4-§6): the
+of at least ``min_prompt`` new rows is prefilled by libllama's RidgeFill path (docs/design.md §4-§6): the
 early layers run on every row in the ordinary decode calls, the late layers run on the exact rows
 only, the filled rows' K/V come from the ridge maps. Everything else (completion, chat, streaming,
 ``generate``, ``eval``, prefix reuse, ``reset``, ``save_state`` / ``load_state``) is unchanged:
@@ -37,7 +37,7 @@ from .settings import PLACEMENTS, SELECTORS, TOKEN_CLASSES, protected_mask  # no
 
 @dataclass(frozen=True)
 class RidgeFill:
-    """How to prefill long prompts (docs/method.md §4-§5).
+    """How to prefill long prompts (docs/design.md §4-§5).
 
     ``maps``: the map file written by ``ridgefill-gguf fit`` (None: identity fill, x̂ = x_S, which
     needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
@@ -67,7 +67,7 @@ class RidgeFill:
     multiplied by per-head gains at the prefix/tail boundary, before the tail runs; the gains are
     fitted in closed form by ``ridgefill-gguf fit --state-gains`` and stored in the map file; see
     :mod:`ridgefill_cpp.oracle.state_correction` for the derivation).
-    ``splice`` (diagnostics, the splice test of docs/method.md §9): ``"K"``, ``"V"`` or ``"KV"``,
+    ``splice`` (diagnostics, the splice test of docs/design.md §9): ``"K"``, ``"V"`` or ``"KV"``,
     the filled rows keep the late-layer K, V or both that their cells already hold (e.g. from an
     exact prefill of the same prompt, :meth:`Llama.forget_cells`) instead of the filled ones.
     Defaults and names: :mod:`ridgefill_cpp.settings`.
@@ -285,7 +285,7 @@ class Llama(llama_cpp.Llama):
         and return the logits of the last ``n_logits`` of them: float32 ``[n_logits, n_vocab]``, a
         copy (row ``-1`` predicts the token after the prompt).
 
-        With RidgeFill on, a prompt of more than one row is planned (docs/method.md §6: it runs
+        With RidgeFill on, a prompt of more than one row is planned (docs/design.md §6: it runs
         filled, or stock when it is shorter than ``min_prompt`` or the tail) and
         :attr:`ridgefill_stats` describes it; a planned prompt has logits for its tail rows only, so
         rows before the tail come back NaN (keep ``n_logits`` <= ``tail``). The rows are decoded in
@@ -349,7 +349,7 @@ class Llama(llama_cpp.Llama):
 
     def forget_cells(self) -> None:
         """Forget every cell of the KV cache but keep its data, then :meth:`reset`: for the splice
-        test (docs/method.md §9), where a prefill with ``RidgeFill(splice=...)`` keeps the late-layer
+        test (docs/design.md §9), where a prefill with ``RidgeFill(splice=...)`` keeps the late-layer
         K/V that an exact prefill of the same prompt left in the cells."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), False)
         self.reset()
@@ -448,7 +448,7 @@ class Llama(llama_cpp.Llama):
         return st if st.size else None
 
     def ridgefill_splice_state(self, layer: int | None, state=None) -> None:
-        """The splice test for recurrent state (docs/method.md §9): in the next RidgeFill prefills, late
+        """The splice test for recurrent state (docs/design.md §9): in the next RidgeFill prefills, late
         recurrent ``layer``'s tail rows start from ``state`` (the layout of :meth:`read_state`, e.g.
         read after an exact prefill of the prompt's prefix) instead of the state its filled rows left.
         ``layer`` None: no layer is spliced any more."""

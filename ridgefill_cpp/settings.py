@@ -7,7 +7,7 @@ and the keys of ``Llama.ridgefill_stats``.
 no other module restates them. The module imports nothing heavy (no numpy, no llama.cpp), so the
 command line can format its ``--help`` texts from it.
 
-The C values mirror the enums of ``csrc/llama-ridgefill.h`` (docs/method.md §5).
+The C values mirror the enums of ``csrc/llama-ridgefill.h`` (docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ FIT_CTX = 512
 # ------------------------------------------------------------------------------------------------
 # names and their C values
 
-#: selectors by name -> enum llama_ridgefill_selector (docs/method.md §5); a sequence of positions
+#: selectors by name -> enum llama_ridgefill_selector (docs/design.md §5); a sequence of positions
 #: is the explicit selector (RidgeFill.selector then reads "positions")
 SELECTORS: Mapping[str, int] = {
     "attention": 1,
@@ -95,7 +95,7 @@ TOKEN_CLASSES: Mapping[str, int] = {
 PLACEMENTS = ("resident", "host")
 #: RidgeFill(state_correction=...) -> enum llama_ridgefill_state_correction
 STATE_CORRECTIONS: Mapping[str | None, int] = {None: 0, "gain": 1}
-#: RidgeFill(splice=...) -> enum llama_ridgefill_splice (diagnostics, the splice test of docs/method.md §9:
+#: RidgeFill(splice=...) -> enum llama_ridgefill_splice (diagnostics, the splice test of docs/design.md §9:
 #: the filled rows keep the late-layer K, V or both that the cells already hold)
 SPLICES: Mapping[str | None, int] = {None: 0, "K": 1, "V": 2, "KV": 3}
 

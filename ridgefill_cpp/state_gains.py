@@ -1,4 +1,4 @@
-"""Terminal-state gains for hybrid models (qwen35), measured with llama.cpp (docs/method.md §4 item 4).
+"""Terminal-state gains for hybrid models (qwen35), measured with llama.cpp (docs/design.md §4 item 4).
 
 A late Gated DeltaNet layer's recurrence consumes every prompt row; filled rows feed it the state
 update of their predicted input x̂_l, so its state at the prefix/tail boundary (after row N-T-1)

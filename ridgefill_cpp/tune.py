@@ -17,7 +17,7 @@ How it measures (one context of the patched llama.cpp, as ``eval`` does):
   tokens and *novel* tokens (their 8-token run does not occur earlier in the prompt), per document,
   token-weighted mean with a percentile-bootstrap CI over documents.
 * **Speed**: median exact prefill time / median RidgeFill prefill time over the documents, next to
-  the plan's compute ceiling 1/r (docs/method.md §4).
+  the plan's compute ceiling 1/r (docs/design.md §4).
 
 A setting is *feasible* when its novel ΔNLL point estimate is within the budget (``strict``: the
 CI's upper bound). The chosen setting is the feasible one with the highest measured speedup (ties:
@@ -426,7 +426,7 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
              "there are exact-path tail logits), token-weighted mean over documents with a 95 % percentile-bootstrap "
              f"CI over documents ({o['n_boot']} resamples). Novel: the token's 8-token run does not occur earlier in "
              "the prompt. Speedup: median exact prefill time / median RidgeFill prefill time over the documents, "
-             "same context, documents in the outer loop. Ceiling: the plan's 1/r (docs/method.md §4).\n")
+             "same context, documents in the outer loop. Ceiling: the plan's 1/r (docs/design.md §4).\n")
     best = res.best
     if best is not None:
         L.append(f"**Chosen: {best.label}** (the fastest setting within the budget): novel ΔNLL "

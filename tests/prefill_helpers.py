@@ -45,7 +45,7 @@ def stock_logits(path, tokens, **kw) -> np.ndarray:
 
 
 def assert_degenerate_plans_are_stock(path, tokens, *, n_layer: int, split: int, tail: int) -> None:
-    """docs/method.md §4.6: S = L, N <= T and N < min_prompt run stock prefill, bit for bit (no plan)."""
+    """docs/design.md §4.6: S = L, N <= T and N < min_prompt run stock prefill, bit for bit (no plan)."""
     from ridgefill_cpp import RidgeFill
 
     stock = stock_logits(path, tokens)

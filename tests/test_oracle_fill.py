@@ -1,4 +1,4 @@
-"""The reference of filled-row prefill (ridgefill_cpp.oracle.fill, docs/method.md §4) and the attention
+"""The reference of filled-row prefill (ridgefill_cpp.oracle.fill, docs/design.md §4) and the attention
 selector (§5), on the tiny models of every architecture.
 
 Everything runs on the float64 torch oracle, so "equal up to rounding" means ~1e-12 relative.
@@ -102,7 +102,7 @@ def _attention_layers(oracle, layers) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------
-# degenerate cases (docs/method.md §4.6)
+# degenerate cases (docs/design.md §4.6)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -375,7 +375,7 @@ def test_select_attention_rows_is_the_top_of_the_scores(arch, oracles, prompt):
 
 
 # ------------------------------------------------------------------------------------------------
-# qwen35: Gated DeltaNet late layers (docs/method.md §4.4)
+# qwen35: Gated DeltaNet late layers (docs/design.md §4.4)
 
 
 def test_qwen35_filled_rows_feed_only_the_state_update(oracles, prompt, exact, maps):

@@ -1,4 +1,4 @@
-"""Filled-row prefill in libllama (``Llama(..., ridgefill=...)``) against the reference of docs/method.md §4
+"""Filled-row prefill in libllama (``Llama(..., ridgefill=...)``) against the reference of docs/design.md §4
 (``ridgefill_cpp.oracle.fill``) on the same GGUF weights, for every supported architecture.
 
 The tiny models store F32 weights and the contexts keep F32 K/V without flash attention (the CPU
@@ -195,7 +195,7 @@ def test_prefix_reuse_plans_only_the_new_rows(arch, tiny_models, oracles, prompt
 
 
 # ------------------------------------------------------------------------------------------------
-# degenerate cases (docs/method.md §4.6)
+# degenerate cases (docs/design.md §4.6)
 
 
 @pytest.mark.parametrize("arch", DENSE)
@@ -378,7 +378,7 @@ def test_value_scale_of_a_vanishing_prediction_is_one(arch, tiny_models, oracles
 
 @pytest.mark.parametrize("arch", DENSE)
 def test_logits_of_every_tail_row(arch, tiny_models, oracles, prompt, map_files):
-    """Tail rows that ask for logits in the call that ends the prompt get them (docs/method.md §4.5); a
+    """Tail rows that ask for logits in the call that ends the prompt get them (docs/design.md §4.5); a
     planned row before the tail, or a tail row of an earlier call, gets NaN."""
     o = oracles[arch]
     S = _split(arch, o)

@@ -1,5 +1,5 @@
 """Filled-row prefill of a Gated DeltaNet hybrid (``qwen35``) in libllama against the reference of
-docs/method.md §4 item 4 (``ridgefill_cpp.oracle.fill``) on the same GGUF weights.
+docs/design.md §4 item 4 (``ridgefill_cpp.oracle.fill``) on the same GGUF weights.
 
 There is no real hybrid GGUF in the package registry: the tiny random-weight ``qwen35`` model of
 ``tools/tiny_qwen35.py`` (6 layers: Gated DeltaNet 0, 1, 3, 4 and gated full attention 2, 5) is the
@@ -328,7 +328,7 @@ def test_plan_spanning_several_eval_calls(model, oracle, prompt, map_file):
 
 
 # ------------------------------------------------------------------------------------------------
-# degenerate cases (docs/method.md §4.6) and a cached prefix
+# degenerate cases (docs/design.md §4.6) and a cached prefix
 
 
 def test_degenerate_plans_are_bit_identical_to_stock(model, oracle, prompt):

@@ -1,4 +1,4 @@
-"""Terminal-state gains (docs/method.md §4 item 4; qwen35): map-file tensors, the llama.cpp-measured
+"""Terminal-state gains (docs/design.md §4 item 4; qwen35): map-file tensors, the llama.cpp-measured
 least-squares fit against its definition and the float64 oracle, and ``fit --state-gains``."""
 
 from __future__ import annotations

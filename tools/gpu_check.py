@@ -10,7 +10,7 @@ make native``, or the libraries of ``tools/check_cuda_build.sh`` pointed to by
    terminal-state correction), stock GPU prefill against the oracle's exact forward, and host-placed
    against resident maps.
 2. **Speed** (a Qwen3.5-shaped synthetic hybrid, 12 layers, d = 768, F16): stock and RidgeFill
-   prefill alternated, median TTFT, speedup and the ceiling 1/r of docs/method.md §4.
+   prefill alternated, median TTFT, speedup and the ceiling 1/r of docs/design.md §4.
 
     python tools/gpu_check.py [--out DIR] [--lengths 2048,8192,16384] [--repeats 5]
     python tools/gpu_check.py --skip-agreement --speed-shape 9b-width --fit-tokens 0 --flash-attn

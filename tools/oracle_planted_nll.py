@@ -2,7 +2,7 @@
 """Answer NLL of planted-code prompts under exact, identity-fill and ridge-fill prefill, on the oracle.
 
 A check of the maps' downstream value before the C++ prefill exists: the torch oracle runs the
-reference semantics of docs/method.md §4 (``oracle.fill.fill_forward``) on the model's weights. Each prompt
+reference semantics of docs/design.md §4 (``oracle.fill.fill_forward``) on the model's weights. Each prompt
 is evaluation-split text with a code planted early (inside the filled region), then the question
 and the answer as the tail; the figure is the mean NLL of the answer's tokens. Prints a Markdown
 table (mean over prompts) with and without the attention selector.
