@@ -1,6 +1,6 @@
 // RidgeFill attached to a llama_context: the checks of llama_ridgefill_attach, the plan of a prompt,
 // the early-phase hooks of llama_context::decode, the selector's inputs and the C API of filled-row
-// prefill (docs/method.md §4-§6). The late phase is in llama-ridgefill-late.cpp, the diagnostic entry
+// prefill (docs/design.md §4-§6). The late phase is in llama-ridgefill-late.cpp, the diagnostic entry
 // points in llama-ridgefill-debug.cpp.
 
 #include "llama-ridgefill-context.h"
@@ -240,7 +240,7 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
         }
     }
 
-    // logits: tail rows brought by the call that ends the prompt get them (docs/method.md §4.5), others NaN
+    // logits: tail rows brought by the call that ends the prompt get them (docs/design.md §4.5), others NaN
     for (int32_t i = 0; i < batch.n_tokens && n_plan > 0; ++i) {
         if (!batch.logits[i]) {
             continue;
@@ -333,7 +333,7 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
 
     const int32_t N = pos_end - pos0;
     if (params.split_layer >= n_layer || N <= params.n_tail || N < params.min_prompt) {
-        return 0; // degenerate: stock prefill (docs/method.md §4.6)
+        return 0; // degenerate: stock prefill (docs/design.md §4.6)
     }
 
     // a layer-input capture needs every layer of every row in the graph; a planned prompt's graphs

@@ -1,5 +1,5 @@
 // RidgeFill attached to a llama_context: parameters, the per-row scratch buffers, the plan of the
-// prompt being prefilled and its two phases (docs/method.md §4, §6). The early phase runs inside
+// prompt being prefilled and its two phases (docs/design.md §4, §6). The early phase runs inside
 // llama_context::decode through the hooks below; the late phase, its graphs and the reservation of
 // their compute buffers are in llama-ridgefill-late.cpp; the diagnostic entry points in
 // llama-ridgefill-debug.cpp.
@@ -115,7 +115,7 @@ struct llama_ridgefill_context {
     std::string run_pass(const llama_ridgefill_pass & ps);
     std::string run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg, int32_t rs_cell);
 
-    // the probe selector (docs/method.md §5): a pass with every prefix row filled whose tail scores the
+    // the probe selector (docs/design.md §5): a pass with every prefix row filled whose tail scores the
     // prefix, then the pass with the selected rows exact. is_exact, exact, n_probe: the outcome
     std::string run_probe(const llama_ridgefill_plan & p, const std::vector<int64_t> & cells,
             const std::vector<int64_t> & cells_swa, std::vector<char> & is_exact, std::vector<llama_pos> & exact,

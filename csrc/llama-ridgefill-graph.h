@@ -1,5 +1,5 @@
 // RidgeFill inside the model graphs: what a graph of a planned prompt computes, and the hooks the
-// model builders and llm_graph_context::build_attn call (docs/method.md §4, §6).
+// model builders and llm_graph_context::build_attn call (docs/design.md §4, §6).
 //
 // A planned prompt is processed in two phases:
 //   early - inside the ordinary llama_decode() calls, however the caller chunks the prompt: every row

@@ -1,4 +1,4 @@
-// The late phase of a planned prompt (docs/method.md §4, §6): once every row has run the early layers,
+// The late phase of a planned prompt (docs/design.md §4, §6): once every row has run the early layers,
 // a pass over the late layers, layer-major. Each pass is cut into graphs by one builder
 // (llama_ridgefill_context::late_graph), which the run, the probe pass and the compute-buffer
 // reservation share, so a graph input added there is reserved and run alike.

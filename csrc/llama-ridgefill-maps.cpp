@@ -1,4 +1,4 @@
-// Loading RidgeFill map files (GGUF side tensors, docs/method.md §7) into backend buffers, modelled on the
+// Loading RidgeFill map files (GGUF side tensors, docs/design.md §7) into backend buffers, modelled on the
 // LoRA adapter loader (src/llama-adapter.cpp): metadata first, then one ggml context per buffer
 // type, then raw reads. Everything that does not match the model is refused with a message.
 

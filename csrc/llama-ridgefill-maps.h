@@ -1,4 +1,4 @@
-// RidgeFill maps inside libllama: the loaded side tensors of a map file (docs/method.md §7) and the graph
+// RidgeFill maps inside libllama: the loaded side tensors of a map file (docs/design.md §7) and the graph
 // step that turns split-layer states into predicted late-layer inputs.
 #pragma once
 

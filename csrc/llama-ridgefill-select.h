@@ -1,4 +1,4 @@
-// The selector seam (docs/method.md §5) as pure functions: which prefix rows of a planned prompt stay
+// The selector seam (docs/design.md §5) as pure functions: which prefix rows of a planned prompt stay
 // exact, from the rows' selector scores and tokens. Nothing here touches a context, a model or a
 // backend, so the rules can be compiled and tested on their own (tests/test_select_unit.py).
 #pragma once

@@ -1,5 +1,5 @@
 // RidgeFill: faster long-prompt prefill by filling late-layer KV from ridge maps.
-// Public C API of the ridgefill-cpp additions to libllama (see docs/method.md §6).
+// Public C API of the ridgefill-cpp additions to libllama (see docs/design.md §6).
 #pragma once
 
 #include "llama.h"
@@ -32,7 +32,7 @@ extern "C" {
     LLAMA_API const float * llama_ridgefill_get_layer_input(struct llama_context * ctx, int32_t il);
 
     //
-    // maps (docs/method.md §7): the ridge maps of a map file, loaded for one model
+    // maps (docs/design.md §7): the ridge maps of a map file, loaded for one model
     //
 
     struct llama_ridgefill_maps;
@@ -84,7 +84,7 @@ extern "C" {
                                       float * out);
 
     //
-    // filled-row prefill (docs/method.md §4-§6): RidgeFill attached to a context, one planned prompt at a time
+    // filled-row prefill (docs/design.md §4-§6): RidgeFill attached to a context, one planned prompt at a time
     //
 
     enum llama_ridgefill_selector {
@@ -109,7 +109,7 @@ extern "C" {
     // the attention-sink rows of the sink class: positions 0 .. LLAMA_RIDGEFILL_N_SINK-1
     #define LLAMA_RIDGEFILL_N_SINK 4
 
-    // diagnostics (the splice test of docs/method.md §9): filled rows keep the K and/or V already in their
+    // diagnostics (the splice test of docs/design.md §9): filled rows keep the K and/or V already in their
     // cells instead of writing the fill's. With a cache holding the exact prefill of the same prompt in
     // the same cells (llama_memory_clear(mem, false) between the two prefills), this replaces the
     // filled K or V of the late layers with the exact one.
@@ -120,7 +120,7 @@ extern "C" {
         LLAMA_RIDGEFILL_SPLICE_KV   = 3,
     };
 
-    // the terminal-state correction of recurrent (Gated DeltaNet) late layers (docs/method.md §4.4): how each
+    // the terminal-state correction of recurrent (Gated DeltaNet) late layers (docs/design.md §4.4): how each
     // late recurrent layer's state is adjusted at the prefix/tail boundary, before the tail runs
     enum llama_ridgefill_state_correction {
         LLAMA_RIDGEFILL_STATE_CORRECTION_NONE = 0, // the state the filled rows left
@@ -166,7 +166,7 @@ extern "C" {
     // plan the prompt rows [pos0, pos_end) of seq_id: the next llama_decode() calls bring these rows
     // (in any chunks, in order, no other rows in the same batch); their early layers run there, and
     // the call that brings row pos_end-1 runs the late layers and writes the logits of the tail rows
-    // it brings that ask for them (docs/method.md §4.5); logits asked for any other planned row are NaN.
+    // it brings that ask for them (docs/design.md §4.5); logits asked for any other planned row are NaN.
     // Returns 1 when planned, 0 when the prompt runs stock (S = n_layer, N <= T, N < min_prompt),
     // -1 on error (no RidgeFill attached, a plan in progress, rows out of the context).
     LLAMA_API int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end);
@@ -244,7 +244,7 @@ extern "C" {
     // -1 without RidgeFill attached
     LLAMA_API int32_t llama_ridgefill_get_boundary_state(struct llama_context * ctx, int32_t il, float * out, int32_t n);
 
-    // diagnostics (the splice test of docs/method.md §9 for recurrent state): in the next plans, late recurrent
+    // diagnostics (the splice test of docs/design.md §9 for recurrent state): in the next plans, late recurrent
     // layer il starts its tail rows from `state` (n floats in the layout of llama_ridgefill_read_state,
     // e.g. read after an exact prefill of the prompt's prefix) instead of the state its filled rows
     // left, before any terminal-state correction. state NULL: no layer is spliced any more.

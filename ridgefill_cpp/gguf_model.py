@@ -6,6 +6,7 @@ or non-GGUF file) raises :class:`GGUFFileError` with a message that says what is
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -15,22 +16,34 @@ from typing import Any
 
 import numpy as np
 
+from . import _native as N
+
 # gguf-py is imported in the functions that read or write GGUF files: `import ridgefill_cpp` (and so
 # `ridgefill-gguf --help`) does not pay its ~30 ms
 
 GGUF_MAGIC = b"GGUF"
 
-#: architectures RidgeFill implements (docs/design.md §6): model inspection, ``fit`` and libllama's
-#: filled-row prefill (csrc/ refuses the rest); anything else is refused with this list. Read it
-#: through :func:`supported_architectures`.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen35")
-#: hybrid architectures: some layers are recurrent (Gated DeltaNet; ModelInfo.recurrent_layers)
-HYBRID_ARCHITECTURES = ("qwen35",)
+
+def _libllama_architectures() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The architectures libllama's RidgeFill supports and the hybrid ones among them, from its table
+    (csrc/llama-ridgefill-arch.cpp, llama_ridgefill_supported_arch)."""
+    names, hybrid = [], []
+    flag = ctypes.c_bool(False)
+    while (name := N.llama_ridgefill_supported_arch(len(names), ctypes.byref(flag))) is not None:
+        names.append(name.decode())
+        if flag.value:
+            hybrid.append(names[-1])
+    return tuple(names), tuple(hybrid)
+
+
+#: architectures RidgeFill implements (docs/design.md §12): model inspection, ``fit`` and libllama's
+#: filled-row prefill; anything else is refused with this list. libllama's table is the one list:
+#: adding an architecture there adds it here
+SUPPORTED_ARCHITECTURES, HYBRID_ARCHITECTURES = _libllama_architectures()
 
 
 def supported_architectures() -> tuple[str, ...]:
-    """The architectures RidgeFill supports (the one place Python asks; libllama's own list once
-    its C API reports it)."""
+    """The architectures RidgeFill supports (libllama's table)."""
     return SUPPORTED_ARCHITECTURES
 
 

@@ -39,6 +39,21 @@ def test_llama_cpp_loads_the_patched_libraries():
     assert hasattr(C._lib, "llama_ridgefill_build_info")
 
 
+def test_one_architecture_table():
+    """libllama's table (csrc/llama-ridgefill-arch.cpp) is the one list of supported architectures:
+    Python reads it through the C API, and every entry has an independent oracle."""
+    from ridgefill_cpp import gguf_model
+    from ridgefill_cpp._native import llama_ridgefill_supported_arch
+    from ridgefill_cpp.oracle import SUPPORTED_ARCHITECTURES as ORACLE_ARCHITECTURES
+
+    names = []
+    while (name := llama_ridgefill_supported_arch(len(names), None)) is not None:
+        names.append(name.decode())
+    assert tuple(names) == gguf_model.supported_architectures() == ORACLE_ARCHITECTURES
+    assert gguf_model.HYBRID_ARCHITECTURES == ("qwen35",)
+    assert llama_ridgefill_supported_arch(-1, None) is None
+
+
 def test_llama_server_binary_runs():
     info = ridgefill_cpp.build_info()
     assert info["llama_server"], "llama-server was not installed with the package"

@@ -2,7 +2,7 @@
 
 Each oracle reads the same GGUF weights as llama.cpp and computes the exact forward pass from the
 math, so that llama.cpp's hidden states and logits (and later RidgeFill's filled KV-cache rows,
-docs/method.md §4) can be checked against it. The layer structure is explicit: a layer's K/V path
+docs/design.md §4) can be checked against it. The layer structure is explicit: a layer's K/V path
 (:meth:`DenseOracle.kv_path`) can be called on any input, e.g. a predicted one.
 
     from ridgefill_cpp.oracle import load_oracle
@@ -10,7 +10,7 @@ docs/method.md §4) can be checked against it. The layer structure is explicit: 
     out.layer_inputs  # [n_layer, n_tokens, n_embd]
     out.logits        # [n_tokens, n_vocab]
 
-RidgeFill's filled-row prefill (docs/method.md §4) and the attention selector (§5) on top of an oracle,
+RidgeFill's filled-row prefill (docs/design.md §4) and the attention selector (§5) on top of an oracle,
 the reference the C++ implementation is checked against, are in :mod:`.fill`::
 
     from ridgefill_cpp.oracle.fill import fill_forward, select_attention_rows

@@ -1,4 +1,4 @@
-"""RidgeFill's filled-row prefill (docs/method.md §4) and its attention selector (§5), on the oracle.
+"""RidgeFill's filled-row prefill (docs/design.md §4) and its attention selector (§5), on the oracle.
 
 This module is the reference definition in code: the C/C++ implementation is checked against it
 (last-row logits and the filled KV-cache rows). It is written layer-major, as §4 is, and is built
@@ -22,7 +22,7 @@ One prompt of N rows, a fresh sequence at positions 0..N-1; split S, tail T::
               output projection, FFN). No value scale (there is no V cache) and no terminal-state
               correction here.
 
-Choices where docs/method.md §4/§5 are silent (the C++ implementation follows them):
+Choices where docs/design.md §4/§5 are silent (the C++ implementation follows them):
 
 * **Degenerate cases** (§4.6). S = L or N ≤ T: the plan is inactive and every layer runs exactly
   on every row through the same code as the exact forward, so the output is bit-identical to
@@ -72,9 +72,9 @@ ROLE_FILLED = 0  # prefix row filled at the late layers
 ROLE_EXACT = 1  # prefix row kept exact (selector / exact_positions)
 ROLE_TAIL = 2  # one of the last T rows (always exact)
 
-#: the value-rescale row count c of docs/method.md §4.3a
+#: the value-rescale row count c of docs/design.md §4.3a
 DEFAULT_VALUE_RESCALE = 512
-#: attention selector defaults (docs/method.md §5)
+#: attention selector defaults (docs/design.md §5)
 DEFAULT_N_QUERIES = 64
 DEFAULT_FRACTION = 0.10
 
@@ -133,7 +133,7 @@ class FillOutput:
 
     @property
     def compute_ratio(self) -> float:
-        """docs/method.md §4's ceiling r = S/L + (1 - S/L)·(T + |E|)/N (map cost not included)."""
+        """docs/design.md §4's ceiling r = S/L + (1 - S/L)·(T + |E|)/N (map cost not included)."""
         L, N = len(self.keys), len(self.tokens)
         if not self.active:
             return 1.0
@@ -218,7 +218,7 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
                  key_rescale: int = 0, tail_logits: bool = False, probe_queries: int = 0,
                  fixed: FillOutput | None = None, state_gains: dict[int, torch.Tensor] | None = None,
                  boundary_override: dict[int, "GDNState"] | None = None) -> FillOutput:
-    """Filled-row prefill of `tokens` (a fresh sequence, positions 0..N-1), docs/method.md §4.
+    """Filled-row prefill of `tokens` (a fresh sequence, positions 0..N-1), docs/design.md §4.
 
     `split` S (1..L; S = L is the exact forward), `maps` the ridge maps fitted for S (None:
     identity fill), `tail` T ≥ 1, `exact_positions` the prefix rows kept exact (absolute
@@ -235,7 +235,7 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
     `state_gains` (qwen35): the terminal-state correction, late GDN layer -> per value-head gains
     [n_v_heads]; the layer's recurrent (ssm) state after the last prefix row is multiplied by them
     before the tail rows continue the recurrence (:mod:`ridgefill_cpp.oracle.state_correction`).
-    `boundary_override` (qwen35, the splice test of docs/method.md §9): late GDN layer -> the state its tail
+    `boundary_override` (qwen35, the splice test of docs/design.md §9): late GDN layer -> the state its tail
     rows start from instead of the one the prefix left (before `state_gains`).
     """
     tokens = [int(t) for t in tokens]
@@ -372,7 +372,7 @@ def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, map
                        tail: int, fraction: float = DEFAULT_FRACTION, n_queries: int = DEFAULT_N_QUERIES,
                        value_rescale: int = DEFAULT_VALUE_RESCALE, key_rescale: int = 0,
                        tail_logits: bool = False) -> FillOutput:
-    """The `probe` selector (docs/method.md §5) end to end. Probe pass: every prefix row filled (value and
+    """The `probe` selector (docs/design.md §5) end to end. Probe pass: every prefix row filled (value and
     key scales measured in this pass), the tail runs the late layers against that cache, and the
     last min(n_queries, T) rows' attention at each full-attention late layer scores the rows. The
     top ceil(fraction · prefix) prefix rows are selected; they and the tail then run the late layers
@@ -396,7 +396,7 @@ def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, map
 
 
 # ------------------------------------------------------------------------------------------------
-# the protected selector (docs/method.md §5)
+# the protected selector (docs/design.md §5)
 
 #: row classes of the `protected` selector (the C enum's bits) and the sink rows
 CLASS_DIGIT, CLASS_RARE, CLASS_LINE_START, CLASS_SINK = 1, 2, 4, 8
@@ -493,7 +493,7 @@ def select_attention_protected_rows(scores: torch.Tensor, tokens: Sequence[int],
 
 
 # ------------------------------------------------------------------------------------------------
-# the attention selector (docs/method.md §5)
+# the attention selector (docs/design.md §5)
 
 
 def is_full_attention(oracle: Oracle, il: int) -> bool:

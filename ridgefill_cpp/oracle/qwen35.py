@@ -12,7 +12,7 @@ Layer ``il`` (``x`` = residual stream entering it, ``u = rms_norm(x) * attn_norm
     out = h + FFN(rms_norm(h) * post_attention_norm)          # SwiGLU
 
 Gated DeltaNet (one sequence, rows in position order), split in two parts because RidgeFill's
-filled rows run only the first (docs/method.md §4.4):
+filled rows run only the first (docs/design.md §4.4):
 
 * **state update** (:func:`gdn_state_update`) -- from the row's normalised input ``u``:
   ``qkv = W_qkv u`` (conv input), ``beta = sigmoid(W_beta u)``,

@@ -1,7 +1,7 @@
 """Terminal-state correction for Gated DeltaNet late layers (qwen35; issue #5), on the oracle.
 
 Filled rows feed a late GDN layer's recurrence with predicted inputs x̂_l, so its state at the
-prefix/tail boundary (after row N-T-1) carries their errors into every tail row. docs/method.md §4 item 4
+prefix/tail boundary (after row N-T-1) carries their errors into every tail row. docs/design.md §4 item 4
 asks for a correction of that state toward the exact one before the tail runs; the paper does
 not say how. The estimator here needs no training and no extra rows at prefill time:
 
@@ -15,7 +15,7 @@ Why a gain: the state is a decayed sum of rank-one updates β_t (v_t − M k_t) 
 input that is a shrunken or noisier version of the exact one (ridge regression shrinks toward the
 mean) changes the size of the v and k the filled rows write more systematically than their
 direction, and the same shrinkage shows in every window; a gain per head absorbs the systematic
-part and leaves the window-specific part alone (it is the value-scale idea of docs/method.md §4.3a, for the
+part and leaves the window-specific part alone (it is the value-scale idea of docs/design.md §4.3a, for the
 state). It costs one multiply per state element at the boundary and n_v_heads numbers per late GDN
 layer in the map file. The conv state (the last d_conv-1 conv inputs) is left as it is: it covers
 three rows and is overwritten by the first tail rows.
