@@ -65,6 +65,24 @@ static ggml_tensor * rf_k_gemma3(const llm_graph_context & g, int il, ggml_tenso
     return k;
 }
 
+// qwen2: RoPE only (its Q/K/V biases are part of the projections)
+static ggml_tensor * rf_k_qwen2(const llm_graph_context & g, int il, ggml_tensor * k, ggml_tensor * pos) {
+    GGML_UNUSED(il);
+    return pos ? rf_rope(g, k, pos, nullptr, g.freq_base, g.freq_scale) : k;
+}
+
+// mistral3: RoPE with the model's rope factors (its attention temperature scales Q only)
+static ggml_tensor * rf_k_mistral3(const llm_graph_context & g, int il, ggml_tensor * k, ggml_tensor * pos) {
+    return pos ? rf_rope(g, k, pos, g.rf->model->get_rope_factors(g.cparams, il), g.freq_base, g.freq_scale) : k;
+}
+
+// gpt-oss: RoPE with the layer's own base and scale (sliding-window and full layers alternate); its
+// attention sinks enter the softmax only
+static ggml_tensor * rf_k_gpt_oss(const llm_graph_context & g, int il, ggml_tensor * k, ggml_tensor * pos) {
+    const llama_model & model = *g.rf->model;
+    return pos ? rf_rope(g, k, pos, nullptr, model.get_rope_freq_base(g.cparams, il), model.get_rope_freq_scale(g.cparams, il)) : k;
+}
+
 static const char * rf_refuse_moe(const llama_model & model) {
     return model.hparams.n_expert > 0 ? "mixture-of-experts llama models are not supported by RidgeFill prefill" : nullptr;
 }
@@ -79,11 +97,16 @@ static const char * rf_refuse_none(const llama_model & model) {
 //
 
 static const llama_ridgefill_arch RF_ARCHS[] = {
-    //  arch             name      hybrid q_width k_path        refuse
-    { LLM_ARCH_LLAMA,  "llama",  false, 1, rf_k_llama,  rf_refuse_moe  },
-    { LLM_ARCH_QWEN3,  "qwen3",  false, 1, rf_k_qwen3,  rf_refuse_none },
-    { LLM_ARCH_GEMMA3, "gemma3", false, 1, rf_k_gemma3, rf_refuse_none },
-    { LLM_ARCH_QWEN35, "qwen35", true,  2, rf_k_qwen35, rf_refuse_none },
+    //  arch                 name         hybrid q_width k_path         refuse
+    { LLM_ARCH_LLAMA,      "llama",     false, 1, rf_k_llama,    rf_refuse_moe  },
+    { LLM_ARCH_QWEN3,      "qwen3",     false, 1, rf_k_qwen3,    rf_refuse_none },
+    { LLM_ARCH_GEMMA3,     "gemma3",    false, 1, rf_k_gemma3,   rf_refuse_none },
+    { LLM_ARCH_QWEN35,     "qwen35",    true,  2, rf_k_qwen35,   rf_refuse_none },
+    { LLM_ARCH_QWEN2,      "qwen2",     false, 1, rf_k_qwen2,    rf_refuse_none },
+    { LLM_ARCH_MISTRAL3,   "mistral3",  false, 1, rf_k_mistral3, rf_refuse_none },
+    { LLM_ARCH_QWEN3MOE,   "qwen3moe",  false, 1, rf_k_qwen3,    rf_refuse_none },
+    { LLM_ARCH_QWEN35MOE,  "qwen35moe", true,  2, rf_k_qwen35,   rf_refuse_none },
+    { LLM_ARCH_OPENAI_MOE, "gpt-oss",   false, 1, rf_k_gpt_oss,  rf_refuse_none },
 };
 
 const llama_ridgefill_arch * llama_ridgefill_arch_find(llm_arch arch) {

@@ -297,6 +297,7 @@ static void rf_build_selector(
    const llama_kv_cache_context * mctx,
                     ggml_tensor * kq_mask,
                     ggml_tensor * q_cur,
+                    ggml_tensor * sinks,
                           float   kq_scale,
                             int   il) {
     const llama_ridgefill_graph * rf = g.rf;
@@ -325,6 +326,10 @@ static void rf_build_selector(
         mask = ggml_cast(ctx0, mask, GGML_TYPE_F32);
     }
     ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, 0.0f);
+    if (sinks) {
+        // each head's sink logit joins the softmax's denominator, as in the layer's attention
+        ggml_soft_max_add_sinks(p, sinks);
+    }
 
     p = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, p, n_kv, n_sel*n_q_h))); // [n_sel*n_head, n_kv]
     p = ggml_reshape_1d(ctx0, ggml_sum_rows(ctx0, p), n_kv);
@@ -479,6 +484,7 @@ void llama_ridgefill_build_attn(
                     ggml_tensor * k_rot,
                     ggml_tensor * v_rot,
                     ggml_tensor * q_cur,
+                    ggml_tensor * sinks,
                           float   kq_scale,
                             int   il) {
     const llama_ridgefill_graph * rf = g.rf;
@@ -491,7 +497,7 @@ void llama_ridgefill_build_attn(
         rf_build_fill(g, mctx, k_rot, v_rot, il);
     }
     if (il == rf->sel_layer && !rf->sel_ids.empty()) {
-        rf_build_selector(g, mctx, kq_mask, q_cur, kq_scale, il);
+        rf_build_selector(g, mctx, kq_mask, q_cur, sinks, kq_scale, il);
     }
 }
 

@@ -149,7 +149,8 @@ bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tenso
 //                     written to their cells
 //   il == sel_layer:  add the selector query rows' attention probabilities (summed over heads and
 //                     rows) to `scores` (after the fill: the probe pass scores the filled cache)
-// q_cur: [n_embd_head, n_head, n_tokens] as build_attn uses it (after rotation)
+// q_cur: [n_embd_head, n_head, n_tokens] as build_attn uses it (after rotation); sinks: the layer's
+// attention sinks [n_head] (gpt-oss; nullptr: none), in the selector's softmax as in the attention
 void llama_ridgefill_build_attn(
         const llm_graph_context & g,
    const llama_kv_cache_context * mctx,
@@ -157,6 +158,7 @@ void llama_ridgefill_build_attn(
                     ggml_tensor * k_rot,
                     ggml_tensor * v_rot,
                     ggml_tensor * q_cur,
+                    ggml_tensor * sinks,
                           float   kq_scale,
                             int   il);
 

@@ -184,7 +184,7 @@ def build_documents(tokenize: Callable[[str], list[int]], bos: list[int], texts:
 def open_context(model: os.PathLike | str, n_ctx: int, n_batch: int, n_threads: int | None,
                  ridgefill: RidgeFill) -> Llama:
     """The one context ``eval`` and ``tune`` measure every variant in (F16 cache, flash attention),
-    created with ``ridgefill`` attached (so that it is fit for RidgeFill: gemma3 gets ``swa_full``);
+    created with ``ridgefill`` attached (so that it is fit for RidgeFill: models with sliding-window layers get ``swa_full``);
     each run then sets its own settings (:func:`timed_prefill`)."""
     return capture.open_model(model, n_ctx=n_ctx, n_batch=n_batch, kv_f32=False, n_threads=n_threads,
                               ridgefill=ridgefill)

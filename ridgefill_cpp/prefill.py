@@ -209,7 +209,7 @@ class Llama(llama_cpp.Llama):
         rf = as_ridgefill(ridgefill)
         _check_context(kwargs.get("logits_all"), kwargs.get("embedding"))
         self._info = read_model_info(model_path)
-        if self._info.architecture == "gemma3" and kwargs.get("swa_full") is None:
+        if self._info.swa_layers and kwargs.get("swa_full") is None:
             # sliding-window layers of filled and exact rows need every cell of the prompt kept
             kwargs["swa_full"] = True
 
@@ -228,9 +228,10 @@ class Llama(llama_cpp.Llama):
         """Prefill the next prompts with ``ridgefill`` (a :class:`RidgeFill`, or a map file path for
         its defaults), or stock (None). The cache is left as it is; :attr:`ridgefill_stats` is
         emptied. A map file is loaded once per context and reused when attached again (freed by
-        :meth:`close`). A gemma3 context must have been created with ``swa_full=True``, which
-        ``Llama(..., ridgefill=...)`` does. Raises ``ValueError`` (``MapFileError``: the maps) for
-        settings libllama refuses; RidgeFill is then off."""
+        :meth:`close`). A context of a model with sliding-window layers (gemma3, gpt-oss) must
+        have been created with ``swa_full=True``, which ``Llama(..., ridgefill=...)`` does. Raises
+        ``ValueError`` (``MapFileError``: the maps) for settings libllama refuses; RidgeFill is then
+        off."""
         rf = as_ridgefill(ridgefill)
         if rf is not None:
             _check_context(self._logits_all, self.context_params.embeddings)
