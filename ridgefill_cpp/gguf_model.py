@@ -295,8 +295,8 @@ def _swa_layers(md: dict[str, Any], arch: str, n_layer: int) -> tuple[int, ...]:
     pattern = md.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):
         return tuple(il for il in range(n_layer) if pattern[il])
-    if arch == "gemma3":
-        n = int(pattern) if pattern is not None else 6
+    if arch in ("gemma3", "gpt-oss"):  # load_swa_pattern(ml, 6) / (ml, 2), dense_first = False
+        n = int(pattern) if pattern is not None else {"gemma3": 6, "gpt-oss": 2}[arch]
         return tuple(il for il in range(n_layer) if n == 0 or il % n < n - 1)
     # other archs: every layer uses the window (llama.cpp's default swa pattern)
     return tuple(range(n_layer))

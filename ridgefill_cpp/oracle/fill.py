@@ -521,7 +521,8 @@ def attention_scores(oracle: Oracle, tokens: Sequence[int], layer: int,
                      n_queries: int = DEFAULT_N_QUERIES) -> torch.Tensor:
     """Attention each row receives at `layer` from the last `n_queries` prompt rows: the softmax
     probabilities summed over query heads and over those rows, [N] (every row, prefix and tail;
-    each query row's probabilities sum to 1 per head, so the total is n_head · min(n_queries, N)).
+    each query row's probabilities sum to 1 per head, so the total is n_head · min(n_queries, N);
+    less with gpt-oss's attention sinks, whose share of each softmax goes to no row).
 
     Layers 0..layer-1 run exactly on every row (the rows' inputs at `layer` are exact, as they are
     below the split); `layer` must have attention (not a GDN layer).
