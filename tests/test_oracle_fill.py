@@ -86,7 +86,7 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def _v_projection(oracle, il: int, x: torch.Tensor) -> torch.Tensor:
     """Layer il's V projection [n, n_head_kv, head_dim], written from the weights directly."""
-    if oracle.arch == "qwen35":
+    if oracle.arch in ("qwen35", "qwen35moe"):
         lw = oracle.layers[il]
         v = rms_norm(x, lw["attn_norm.weight"], oracle.cfg.rms_eps) @ lw["attn_v.weight"].T
         return v.reshape(x.shape[0], oracle.cfg.n_head_kv, oracle.cfg.head_dim)

@@ -38,7 +38,7 @@ import numpy as np
 
 import gguf
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen35")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen35moe")
 
 #: architectures whose content this file builds itself (qwen35 lives in tiny_qwen35.py)
 DENSE_ARCHS = ("llama", "qwen3", "gemma3")
@@ -60,7 +60,7 @@ from tiny_gguf import (  # noqa: E402,F401  (the tokenizer, writer and weights e
     tokenizer_vocab,
     write_and_close,
 )
-from tiny_qwen35 import build_qwen35  # noqa: E402  (the hybrid's builder)
+from tiny_qwen35 import build_qwen35, build_qwen35moe  # noqa: E402  (the hybrids' builders)
 
 # --------------------------------------------------------------------------------------------
 # dense architectures (llama, qwen3, gemma3)
@@ -233,6 +233,8 @@ def make_tiny_model(arch: str, path: os.PathLike[str] | str, seed: int = 0, **ov
     path = pathlib.Path(path)
     if arch == "qwen35":
         return pathlib.Path(build_qwen35(path, seed, **overrides))
+    if arch == "qwen35moe":
+        return pathlib.Path(build_qwen35moe(path, seed, **overrides))
     if arch not in DENSE_ARCHS:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHS)}")
     return _build_dense(arch, path, seed, **overrides)

@@ -1,6 +1,7 @@
-"""A tiny random-weight ``qwen35`` GGUF (Qwen3.5 dense: Gated DeltaNet + gated full attention).
+"""Tiny random-weight ``qwen35`` and ``qwen35moe`` GGUFs (Qwen3.5: Gated DeltaNet + gated full
+attention; dense SwiGLU FFNs, or mixture-of-experts FFNs with a gated shared expert).
 
-The model follows llama.cpp's ``llama_model_qwen35`` (``src/models/qwen35.cpp``) tensor for
+The dense model follows llama.cpp's ``llama_model_qwen35`` (``src/models/qwen35.cpp``) tensor for
 tensor, at toy size:
 
 * 6 layers; ``full_attention_interval = 3`` makes layers 2 and 5 full attention (llama.cpp:
@@ -15,6 +16,24 @@ tensor, at toy size:
   ``ssm_conv1d``, ``ssm_norm``, ``ssm_out``;
 * every layer: ``attn_norm``, ``post_attention_norm`` (the FFN's pre-norm) and a SwiGLU FFN;
   untied ``output.weight``.
+
+The MoE model (:func:`build_qwen35moe`) is the same with ``llama_model_qwen35moe``'s FFN
+(``src/models/qwen35moe.cpp``, ``build_layer_ffn``) in every layer, and no dense FFN:
+
+* 4 routed experts, 2 used (``expert_count``, ``expert_used_count``), expert width 32
+  (``expert_feed_forward_length``): ``ffn_gate_inp`` (the router, F32 as the converter stores
+  it), ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (3-D, one matrix per expert);
+  llama.cpp routes by softmax, top-k, and renormalises the k weights (``norm_w`` = true);
+* the shared expert, width 48 (``expert_shared_feed_forward_length``): ``ffn_gate_shexp``,
+  ``ffn_up_shexp``, ``ffn_down_shexp``, scaled by ``sigmoid(ffn_gate_inp_shexp · y)`` (a vector,
+  F32); llama.cpp's loader requires it;
+* no ``feed_forward_length`` key (``n_ff = 0``): llama.cpp reads it only as a fallback for the two
+  widths above.
+
+Two options reach llama.cpp's other tensor layouts, each drawing the same numbers as the split
+one so the model is the same up to rounding: ``attn_qkv_fused`` (full-attention layers with one
+``attn_qkv`` of ``[q and gate | k | v]`` rows, qwen35 and qwen35moe) and ``gate_up_merged``
+(qwen35moe: one ``ffn_gate_up_exps`` of ``[gate | up]`` rows per expert).
 
 The decay parameters are drawn so that the recurrence neither forgets at once nor never: the
 per-step decay ``exp(softplus(alpha + dt_bias) * ssm_a)`` lies roughly in 0.6..0.999 with a
@@ -42,6 +61,7 @@ if _HERE not in sys.path:  # the sibling modules of tools/, also when this file 
 from tiny_gguf import WeightFactory, new_writer, tokenizer_vocab, write_and_close  # noqa: E402
 
 ARCH = "qwen35"
+ARCH_MOE = "qwen35moe"
 
 
 @dataclass(frozen=True)
@@ -70,11 +90,23 @@ class Qwen35TinyConfig:
     ssm_n_v_heads: int = 4  # ssm.time_step_rank (a multiple of the key heads)
     ssm_a_range: tuple[float, float] = (0.05, 2.0)  # -ssm_a = exp(A_log), log-uniform in this range
     ssm_dt_bias_range: tuple[float, float] = (-4.0, -1.0)
-    # FFN, norms
+    # FFN, norms (n_ff: the dense FFN; 0 writes no feed_forward_length key)
     n_ff: int = 128
     rms_eps: float = 1e-6
+    # mixture of experts (qwen35moe; 0 experts: the dense qwen35)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    gate_up_merged: bool = False  # one ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
+    # full-attention layers: one attn_qkv instead of attn_q, attn_k, attn_v
+    attn_qkv_fused: bool = False
     # storage type of the projection matrices ("f32" or "f16"); norms, conv and SSM vectors F32
     dtype: str = "f32"
+
+    @property
+    def arch(self) -> str:
+        return ARCH_MOE if self.n_expert else ARCH
 
     @property
     def d_inner(self) -> int:
@@ -92,6 +124,10 @@ class Qwen35TinyConfig:
         if self.recurrent_layers is not None:
             return bool(self.recurrent_layers[il])
         return (il + 1) % self.full_attention_interval != 0
+
+
+#: the qwen35moe defaults on top of Qwen35TinyConfig's (see the module docstring)
+MOE_DEFAULTS: dict[str, Any] = dict(n_ff=0, n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=48)
 
 
 def qwen35_config(**overrides: Any) -> Qwen35TinyConfig:
@@ -124,18 +160,31 @@ def qwen35_config(**overrides: Any) -> Qwen35TinyConfig:
         raise ValueError(f"recurrent_layers has {len(cfg.recurrent_layers)} entries, expected n_layer ({cfg.n_layer})")
     if cfg.full_attention_interval < 1:
         raise ValueError("full_attention_interval must be >= 1")
+    if cfg.n_expert and not (0 < cfg.n_expert_used <= cfg.n_expert and cfg.n_ff_exp > 0 and cfg.n_ff_shexp > 0):
+        raise ValueError(f"MoE: need 0 < n_expert_used ({cfg.n_expert_used}) <= n_expert ({cfg.n_expert}) and "
+                         f"positive n_ff_exp, n_ff_shexp ({cfg.n_ff_exp}, {cfg.n_ff_shexp})")
+    if not cfg.n_expert and (cfg.n_ff <= 0 or cfg.gate_up_merged):
+        raise ValueError("the dense qwen35 needs n_ff > 0 and has no experts to merge (gate_up_merged)")
     return cfg
 
 
+def qwen35moe_config(**overrides: Any) -> Qwen35TinyConfig:
+    """The default qwen35moe :class:`Qwen35TinyConfig` (:data:`MOE_DEFAULTS`) with `overrides` applied."""
+    if overrides.get("n_expert", 1) < 1:
+        raise ValueError("qwen35moe needs n_expert >= 1 (the dense model is build_qwen35's)")
+    return qwen35_config(**{**MOE_DEFAULTS, **overrides})
+
+
 def add_qwen35_keys(writer, cfg: Qwen35TinyConfig) -> None:
-    """The ``qwen35.*`` hyperparameter keys llama.cpp's loader reads."""
-    a = ARCH
+    """The ``qwen35.*`` (``qwen35moe.*``) hyperparameter keys llama.cpp's loader reads."""
+    a = cfg.arch
     w = writer
     w.add_uint32(f"{a}.vocab_size", cfg.n_vocab)
     w.add_uint32(f"{a}.context_length", cfg.n_ctx)
     w.add_uint32(f"{a}.embedding_length", cfg.n_embd)
     w.add_uint32(f"{a}.block_count", cfg.n_layer)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff)
+    if cfg.n_ff:
+        w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff)
     w.add_uint32(f"{a}.attention.head_count", cfg.n_head)
     w.add_uint32(f"{a}.attention.head_count_kv", cfg.n_head_kv)
     w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
@@ -152,6 +201,30 @@ def add_qwen35_keys(writer, cfg: Qwen35TinyConfig) -> None:
     w.add_uint32(f"{a}.full_attention_interval", cfg.full_attention_interval)
     if cfg.recurrent_layers is not None:
         w.add_array(f"{a}.attention.recurrent_layers", [bool(x) for x in cfg.recurrent_layers])
+    if cfg.n_expert:
+        w.add_uint32(f"{a}.expert_count", cfg.n_expert)
+        w.add_uint32(f"{a}.expert_used_count", cfg.n_expert_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", cfg.n_ff_exp)
+        w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp)
+
+
+def _add_moe_tensors(writer, wf: WeightFactory, cfg: Qwen35TinyConfig, p: str) -> None:
+    """One layer's routed and shared experts (qwen35moe's build_layer_ffn)."""
+    d, E, f = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
+    writer.add_tensor(p + "ffn_gate_inp.weight", wf.matrix(E, d).astype(np.float32))  # the router, F32
+    gate = np.stack([wf.matrix(f, d) for _ in range(E)])  # [E, f, d] (ggml {d, f, E})
+    up = np.stack([wf.matrix(f, d) for _ in range(E)])
+    if cfg.gate_up_merged:
+        writer.add_tensor(p + "ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1))  # [E, 2f, d]
+    else:
+        writer.add_tensor(p + "ffn_gate_exps.weight", gate)
+        writer.add_tensor(p + "ffn_up_exps.weight", up)
+    writer.add_tensor(p + "ffn_down_exps.weight", np.stack([wf.matrix(d, f) for _ in range(E)]))  # [E, d, f]
+    # the shared expert's gate: one row of the router's scale, F32 as the converter stores it
+    writer.add_tensor(p + "ffn_gate_inp_shexp.weight", wf.matrix(1, d)[0].astype(np.float32))
+    writer.add_tensor(p + "ffn_gate_shexp.weight", wf.matrix(cfg.n_ff_shexp, d))
+    writer.add_tensor(p + "ffn_up_shexp.weight", wf.matrix(cfg.n_ff_shexp, d))
+    writer.add_tensor(p + "ffn_down_shexp.weight", wf.matrix(d, cfg.n_ff_shexp))
 
 
 def _add_qwen35_tensors(writer, cfg: Qwen35TinyConfig, seed: int) -> None:
@@ -184,12 +257,19 @@ def _add_qwen35_tensors(writer, cfg: Qwen35TinyConfig, seed: int) -> None:
             writer.add_tensor(p + "ssm_norm.weight", wf.norm(D))
             writer.add_tensor(p + "ssm_out.weight", wf.matrix(d, cfg.d_inner))
         else:
-            writer.add_tensor(p + "attn_q.weight", wf.matrix(2 * hd * cfg.n_head, d))  # [q_h | gate_h] per head
-            writer.add_tensor(p + "attn_k.weight", wf.matrix(hd * cfg.n_head_kv, d))
-            writer.add_tensor(p + "attn_v.weight", wf.matrix(hd * cfg.n_head_kv, d))
+            qkv = (wf.matrix(2 * hd * cfg.n_head, d),  # [q_h | gate_h] per head
+                   wf.matrix(hd * cfg.n_head_kv, d), wf.matrix(hd * cfg.n_head_kv, d))
+            if cfg.attn_qkv_fused:
+                writer.add_tensor(p + "attn_qkv.weight", np.concatenate(qkv))
+            else:
+                for name, w in zip(("attn_q", "attn_k", "attn_v"), qkv):
+                    writer.add_tensor(p + name + ".weight", w)
             writer.add_tensor(p + "attn_q_norm.weight", wf.norm(hd))
             writer.add_tensor(p + "attn_k_norm.weight", wf.norm(hd))
             writer.add_tensor(p + "attn_output.weight", wf.matrix(d, hd * cfg.n_head))
+        if cfg.n_expert:
+            _add_moe_tensors(writer, wf, cfg, p)
+            continue
         writer.add_tensor(p + "ffn_gate.weight", wf.matrix(cfg.n_ff, d))
         writer.add_tensor(p + "ffn_up.weight", wf.matrix(cfg.n_ff, d))
         writer.add_tensor(p + "ffn_down.weight", wf.matrix(d, cfg.n_ff))
@@ -203,7 +283,23 @@ def build_qwen35(path: os.PathLike[str] | str, seed: int = 0, **overrides: Any) 
     The same (seed, overrides) always gives byte-identical files.
     """
     cfg = qwen35_config(**overrides)
-    writer = new_writer(path, ARCH)
+    if cfg.n_expert:
+        raise ValueError("build_qwen35 writes the dense qwen35; experts are build_qwen35moe's")
+    return _write(path, cfg, seed)
+
+
+def build_qwen35moe(path: os.PathLike[str] | str, seed: int = 0, **overrides: Any) -> pathlib.Path:
+    """Write the tiny qwen35moe GGUF to `path` (atomically) and return the path.
+
+    `overrides` are :class:`Qwen35TinyConfig` fields on top of :data:`MOE_DEFAULTS`, e.g.
+    ``n_expert=8``, ``n_expert_used=1``, ``gate_up_merged=True``, ``attn_qkv_fused=True``.
+    The same (seed, overrides) always gives byte-identical files.
+    """
+    return _write(path, qwen35moe_config(**overrides), seed)
+
+
+def _write(path: os.PathLike[str] | str, cfg: Qwen35TinyConfig, seed: int) -> pathlib.Path:
+    writer = new_writer(path, cfg.arch)
     add_qwen35_keys(writer, cfg)
     writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
     _add_qwen35_tensors(writer, cfg, seed)
@@ -211,5 +307,7 @@ def build_qwen35(path: os.PathLike[str] | str, seed: int = 0, **overrides: Any) 
 
 
 if __name__ == "__main__":
-    out = build_qwen35(sys.argv[1] if len(sys.argv) > 1 else "qwen35.gguf")
-    print(out)
+    moe = "--moe" in sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--moe"]
+    build = build_qwen35moe if moe else build_qwen35
+    print(build(args[0] if args else (f"{ARCH_MOE}.gguf" if moe else f"{ARCH}.gguf")))

@@ -30,7 +30,7 @@ from .dense import DENSE_ARCHITECTURES, DenseOracle
 from .fill import FillOutput, fill_forward
 
 #: general.architecture values an oracle exists for
-SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35")
+SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35", "qwen35moe")
 
 
 def oracle_class(arch: str) -> type[Oracle]:
@@ -41,6 +41,10 @@ def oracle_class(arch: str) -> type[Oracle]:
         from .qwen35 import Qwen35Oracle  # noqa: PLC0415 (imported only when needed)
 
         return Qwen35Oracle
+    if arch == "qwen35moe":
+        from .qwen35moe import Qwen35MoeOracle  # noqa: PLC0415 (imported only when needed)
+
+        return Qwen35MoeOracle
     raise ValueError(
         f"no oracle for architecture {arch!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )

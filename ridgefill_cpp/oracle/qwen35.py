@@ -360,6 +360,8 @@ class Qwen35Oracle(Oracle):
     """
 
     architectures = (ARCH,)
+    #: reads the hyperparameters (qwen35moe's oracle reads its expert keys too)
+    config_class: type[Qwen35Config] = Qwen35Config
 
     def __init__(self, tensors: Mapping[str, np.ndarray] | str | os.PathLike,
                  metadata: Mapping[str, Any] | torch.dtype | None = None,
@@ -378,8 +380,8 @@ class Qwen35Oracle(Oracle):
                 raise TypeError("Qwen35Oracle(tensors, metadata): metadata is required with a tensor dict")
         super().__init__(tensors, metadata, dtype)
         self.kv_f16 = kv_f16
-        self.cfg = Qwen35Config.from_gguf(self.metadata, tensors)  # type: ignore[arg-type]
-        if any(name.endswith("ffn_gate_inp.weight") for name in tensors):
+        self.cfg = self.config_class.from_gguf(self.metadata, tensors)  # type: ignore[arg-type]
+        if self.arch == ARCH and any(name.endswith("ffn_gate_inp.weight") for name in tensors):
             raise ValueError("qwen35: mixture-of-experts tensors found (that is qwen35moe); not supported")
         self.tok_embd = self.weight("token_embd.weight")
         self.output_norm = self.weight("output_norm.weight")
@@ -401,9 +403,8 @@ class Qwen35Oracle(Oracle):
             want = {"attn_q.weight": (2 * hd * c.n_head, c.n_embd), "attn_k.weight": (hd * c.n_head_kv, c.n_embd),
                     "attn_v.weight": (hd * c.n_head_kv, c.n_embd), "attn_q_norm.weight": (hd,),
                     "attn_k_norm.weight": (hd,), "attn_output.weight": (c.n_embd, hd * c.n_head)}
-        want.update({"attn_norm.weight": (c.n_embd,), "post_attention_norm.weight": (c.n_embd,),
-                     "ffn_gate.weight": (c.n_ff, c.n_embd), "ffn_up.weight": (c.n_ff, c.n_embd),
-                     "ffn_down.weight": (c.n_embd, c.n_ff)})
+        want.update({"attn_norm.weight": (c.n_embd,), "post_attention_norm.weight": (c.n_embd,)})
+        want.update(self._ffn_shapes())
         lw: dict[str, torch.Tensor] = {}
         for name, shape in want.items():
             t = self.weight(p + name)
@@ -411,6 +412,12 @@ class Qwen35Oracle(Oracle):
                 raise ValueError(f"blk.{il}.{name} has shape {tuple(t.shape)}, expected {shape}")
             lw[name] = t
         return lw
+
+    def _ffn_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The FFN tensors of every layer and their shapes (the dense SwiGLU)."""
+        c = self.cfg
+        return {"ffn_gate.weight": (c.n_ff, c.n_embd), "ffn_up.weight": (c.n_ff, c.n_embd),
+                "ffn_down.weight": (c.n_embd, c.n_ff)}
 
     @property
     def n_layer(self) -> int:
