@@ -38,7 +38,7 @@ import numpy as np
 
 import gguf
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen35moe")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "qwen35moe")
 
 #: architectures whose content this file builds itself (qwen35 lives in tiny_qwen35.py)
 DENSE_ARCHS = ("llama", "qwen3", "gemma3")
@@ -61,6 +61,7 @@ from tiny_gguf import (  # noqa: E402,F401  (the tokenizer, writer and weights e
     write_and_close,
 )
 from tiny_qwen35 import build_qwen35, build_qwen35moe  # noqa: E402  (the hybrids' builders)
+from tiny_dense_more import ARCHS as MORE_ARCHS, build_dense_more  # noqa: E402  (qwen2, mistral3, qwen3moe)
 
 # --------------------------------------------------------------------------------------------
 # dense architectures (llama, qwen3, gemma3)
@@ -235,6 +236,8 @@ def make_tiny_model(arch: str, path: os.PathLike[str] | str, seed: int = 0, **ov
         return pathlib.Path(build_qwen35(path, seed, **overrides))
     if arch == "qwen35moe":
         return pathlib.Path(build_qwen35moe(path, seed, **overrides))
+    if arch in MORE_ARCHS:
+        return pathlib.Path(build_dense_more(arch, path, seed, **overrides))
     if arch not in DENSE_ARCHS:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHS)}")
     return _build_dense(arch, path, seed, **overrides)

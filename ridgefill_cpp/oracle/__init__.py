@@ -27,16 +27,19 @@ import torch
 
 from .common import Oracle, OracleOutput
 from .dense import DENSE_ARCHITECTURES, DenseOracle
+from .dense_more import MORE_ARCHITECTURES, MoreDenseOracle
 from .fill import FillOutput, fill_forward
 
 #: general.architecture values an oracle exists for
-SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35", "qwen35moe")
+SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35", *MORE_ARCHITECTURES, "qwen35moe")
 
 
 def oracle_class(arch: str) -> type[Oracle]:
     """The oracle class for a ``general.architecture`` value (ValueError naming the supported ones)."""
     if arch in DENSE_ARCHITECTURES:
         return DenseOracle
+    if arch in MORE_ARCHITECTURES:
+        return MoreDenseOracle
     if arch == "qwen35":
         from .qwen35 import Qwen35Oracle  # noqa: PLC0415 (imported only when needed)
 
@@ -69,6 +72,7 @@ def load_oracle(path: os.PathLike | str, dtype: torch.dtype = torch.float32, **o
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DenseOracle",
+    "MoreDenseOracle",
     "FillOutput",
     "Oracle",
     "OracleOutput",
