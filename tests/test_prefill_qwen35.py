@@ -1,7 +1,8 @@
-"""Filled-row prefill of a Gated DeltaNet hybrid (``qwen35``) in libllama against the reference of
-docs/design.md §4 item 4 (``ridgefill_cpp.oracle.fill``) on the same GGUF weights.
+"""Filled-row prefill of the Gated DeltaNet hybrids (``qwen35``, and ``qwen35moe``: the same layers
+with mixture-of-experts FFNs) in libllama against the reference of docs/design.md §4 item 4
+(``ridgefill_cpp.oracle.fill``) on the same GGUF weights; every test runs on both.
 
-There is no real hybrid GGUF in the package registry: the tiny random-weight ``qwen35`` model of
+There is no real hybrid GGUF in the package registry: the tiny random-weight models of
 ``tools/tiny_qwen35.py`` (6 layers: Gated DeltaNet 0, 1, 3, 4 and gated full attention 2, 5) is the
 test bed. At split 3 the late layers are GDN 3 (fills from x_S), GDN 4 (fills from the map's x̂) and
 attention 5. A late GDN layer runs every prompt row in position order, in chunks of n_ubatch that
@@ -33,7 +34,7 @@ from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention,
                                       probe_fill_forward, select_exact_rows)
 
-ARCH = "qwen35"
+HYBRIDS = ("qwen35", "qwen35moe")
 S = 3
 N_TOKENS = 200
 TAIL = 16
@@ -42,9 +43,14 @@ TOL = 2e-5
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.fixture(scope="module", params=HYBRIDS)
+def arch(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models[ARCH]
+def model(tiny_models, arch):
+    return tiny_models[arch]
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +166,13 @@ def test_prefill_matches_the_oracle(case, model, oracle, prompt, map_file):
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1])
-def test_a_recurrent_last_layer(fraction, tiny_models, prompt, tmp_path):
+def test_a_recurrent_last_layer(fraction, arch, prompt, tmp_path):
     """A hybrid whose last layer is a GDN layer (Qwen3.5's last layer is attention; the code reads the
     pattern from the model): chunks of filled rows only have no outputs, the tail's chunk gives the
     logits; identity fill at S = 3 (layers 3, 4, 5 recurrent late layers) against the oracle."""
     import make_tiny_models as mtm
 
-    model = mtm.make_tiny_model(ARCH, tmp_path / "last-recurrent.gguf", seed=0,
+    model = mtm.make_tiny_model(arch, tmp_path / "last-recurrent.gguf", seed=0,
                                 recurrent_layers=(True, True, False, True, False, True))
     o = load_oracle(model, dtype=torch.float64)
     assert o.is_recurrent(5) and not o.is_recurrent(4)
