@@ -38,7 +38,7 @@ import numpy as np
 
 import gguf
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "qwen35moe")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "gpt-oss", "qwen35moe")
 
 #: architectures whose content this file builds itself (qwen35 lives in tiny_qwen35.py)
 DENSE_ARCHS = ("llama", "qwen3", "gemma3")
@@ -61,6 +61,7 @@ from tiny_gguf import (  # noqa: E402,F401  (the tokenizer, writer and weights e
     write_and_close,
 )
 from tiny_qwen35 import build_qwen35, build_qwen35moe  # noqa: E402  (the hybrids' builders)
+from tiny_gpt_oss import build_gpt_oss  # noqa: E402  (gpt-oss, the MoE with attention sinks)
 from tiny_dense_more import ARCHS as MORE_ARCHS, build_dense_more  # noqa: E402  (qwen2, mistral3, qwen3moe)
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +237,8 @@ def make_tiny_model(arch: str, path: os.PathLike[str] | str, seed: int = 0, **ov
         return pathlib.Path(build_qwen35(path, seed, **overrides))
     if arch == "qwen35moe":
         return pathlib.Path(build_qwen35moe(path, seed, **overrides))
+    if arch == "gpt-oss":
+        return pathlib.Path(build_gpt_oss(path, seed, **overrides))
     if arch in MORE_ARCHS:
         return pathlib.Path(build_dense_more(arch, path, seed, **overrides))
     if arch not in DENSE_ARCHS:

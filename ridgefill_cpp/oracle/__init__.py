@@ -31,7 +31,7 @@ from .dense_more import MORE_ARCHITECTURES, MoreDenseOracle
 from .fill import FillOutput, fill_forward
 
 #: general.architecture values an oracle exists for
-SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35", *MORE_ARCHITECTURES, "qwen35moe")
+SUPPORTED_ARCHITECTURES = (*DENSE_ARCHITECTURES, "qwen35", *MORE_ARCHITECTURES, "qwen35moe", "gpt-oss")
 
 
 def oracle_class(arch: str) -> type[Oracle]:
@@ -48,6 +48,10 @@ def oracle_class(arch: str) -> type[Oracle]:
         from .qwen35moe import Qwen35MoeOracle  # noqa: PLC0415 (imported only when needed)
 
         return Qwen35MoeOracle
+    if arch == "gpt-oss":
+        from .gpt_oss import GptOssOracle  # noqa: PLC0415 (imported only when needed)
+
+        return GptOssOracle
     raise ValueError(
         f"no oracle for architecture {arch!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
