@@ -50,7 +50,7 @@ def test_one_architecture_table():
     while (name := llama_ridgefill_supported_arch(len(names), None)) is not None:
         names.append(name.decode())
     assert tuple(names) == gguf_model.supported_architectures() == ORACLE_ARCHITECTURES
-    assert gguf_model.HYBRID_ARCHITECTURES == ("qwen35",)
+    assert gguf_model.HYBRID_ARCHITECTURES == ("qwen35", "qwen35moe")
     assert llama_ridgefill_supported_arch(-1, None) is None
 
 

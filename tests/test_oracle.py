@@ -249,10 +249,12 @@ def test_wrong_conventions_are_detected(arch, tiny_models, prompt_tokens, captur
 
 def test_load_oracle_dispatch_and_unsupported_arch(tmp_path, tiny_models):
     assert isinstance(load_oracle(tiny_models["gemma3"]), DenseOracle)
-    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen3", "gemma3", "qwen35")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "qwen35moe",
+                                       "gpt-oss")
     writer = mtm.new_writer(tmp_path / "gpt2.gguf", "gpt2")
     path = mtm.write_and_close(writer, tmp_path / "gpt2.gguf")
-    with pytest.raises(ValueError, match=r"'gpt2'.*supported architectures: llama, qwen3, gemma3, qwen35"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported architectures: llama, qwen3, gemma3, qwen35, qwen2, mistral3, qwen3moe, "
+                                         r"qwen35moe, gpt-oss"):
         load_oracle(path)
     with pytest.raises(ValueError, match="float32 or torch.float64"):
         load_oracle(tiny_models["llama"], dtype=torch.float16)
