@@ -236,6 +236,11 @@ static void rf_build_kv(
         const size_t es = ggml_element_size(qkv);
         k = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_k*n_head_kv, n, qkv->nb[1], es*n_embd_q));
         v = ggml_cont(ctx0, ggml_view_2d(ctx0, qkv, d_v*n_head_kv, n, qkv->nb[1], es*(n_embd_q + d_k*n_head_kv)));
+        if (!layer.wqkv_b && layer.wq_b && layer.wk_b && layer.wv_b) {
+            // fused weights with separate Q/K/V biases, as build_qkv adds them
+            k = ggml_add(ctx0, k, layer.wk_b);
+            v = ggml_add(ctx0, v, layer.wv_b);
+        }
     } else {
         k = g.build_lora_mm(layer.wk, cur, layer.wk_s);
         if (layer.wk_b) {

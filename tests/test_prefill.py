@@ -238,6 +238,58 @@ def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, pro
         llm.close()
 
 
+def _fused_with_separate_biases(tmp_path) -> tuple[Path, Path]:
+    """Two tiny qwen2 models with the same weights: separate Q/K/V projections and biases, and one
+    fused attn_qkv weight with the separate attn_q/k/v biases (a layout llama.cpp's build_qkv
+    accepts: it adds the concatenated biases to the fused product)."""
+    import gguf
+
+    from ridgefill_cpp.gguf_copy import atomic_gguf_writer
+
+    separate = mtm.make_tiny_model("qwen2", tmp_path / "separate.gguf", seed=3, qkv_bias=True)
+    fused = mtm.make_tiny_model("qwen2", tmp_path / "fused.gguf", seed=3, qkv_bias=True, fused_qkv=True)
+    biases = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(separate).tensors if t.name.endswith("_q.bias")
+              or t.name.endswith("_k.bias") or t.name.endswith("_v.bias")}
+    assert biases
+    reader = gguf.GGUFReader(fused)
+    out = tmp_path / "fused-separate-biases.gguf"
+    with atomic_gguf_writer(out, "qwen2") as w:
+        for name, fld in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue
+            sub = fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, fld.contents(), fld.types[0], sub_type=sub)
+        for t in reader.tensors:
+            if not t.name.endswith("attn_qkv.bias"):  # the same values as the three separate biases
+                w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
+        for name, data in biases.items():
+            w.add_tensor(name, data)
+    return separate, out
+
+
+def test_fused_qkv_with_separate_biases_fills_as_the_separate_layout(tmp_path, prompt):
+    """The fill's K/V path adds separate biases to a fused QKV projection as build_qkv does: the
+    same plan on the two layouts gives the same logits, filled K/V rows and value scales."""
+    separate, fused = _fused_with_separate_biases(tmp_path)
+    assert rel(stock_logits(fused, prompt), stock_logits(separate, prompt)) < 1e-5  # llama.cpp: one model
+    rf = RidgeFill.identity(3, tail=TAIL, exact_fraction=0.1, min_prompt=0)
+    out = []
+    for path in (separate, fused):
+        llm = Llama(str(path), ridgefill=rf, **ctx_kwargs())
+        try:
+            llm.eval(prompt)
+            assert llm.ridgefill_stats["n_filled"] > 0
+            kv = [llm.read_kv(il, list(range(len(prompt)))) for il in range(3, 6)]
+            out.append((last_logits(llm), kv, np.array(llm.ridgefill_value_scales())))
+        finally:
+            llm.close()
+    (la, kva, sa), (lb, kvb, sb) = out
+    assert rel(lb, la) < 1e-5
+    for (ka, va), (kb, vb) in zip(kva, kvb):
+        assert rel(kb, ka) < 1e-5 and rel(vb, va) < 1e-5
+    np.testing.assert_allclose(sb, sa, rtol=1e-5)
+
+
 def test_stock_class_is_untouched(tiny_models, prompt):
     """ridgefill=None is llama-cpp-python's class: same logits and no RidgeFill attached."""
     path = str(tiny_models["llama"])
