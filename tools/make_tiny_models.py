@@ -31,7 +31,7 @@ import math
 import os
 import pathlib
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,7 @@ from tiny_gguf import (  # noqa: E402,F401  (the tokenizer, writer and weights e
     tokenizer_vocab,
     write_and_close,
 )
+from tiny_gguf import TinyShape, add_head_keys, add_size_keys, add_tensors, check_shape, configure, head_tensors, qkv_tensors, write_tiny_model  # noqa: E402
 from tiny_qwen35 import build_qwen35, build_qwen35moe  # noqa: E402  (the hybrids' builders)
 from tiny_gpt_oss import build_gpt_oss  # noqa: E402  (gpt-oss, the MoE with attention sinks)
 from tiny_dense_more import ARCHS as MORE_ARCHS, build_dense_more  # noqa: E402  (qwen2, mistral3, qwen3moe)
@@ -69,21 +70,14 @@ from tiny_dense_more import ARCHS as MORE_ARCHS, build_dense_more  # noqa: E402 
 
 
 @dataclass(frozen=True)
-class TinyConfig:
-    """Hyperparameters of a tiny dense model. Any field can be overridden by keyword.
+class TinyConfig(TinyShape):
+    """Hyperparameters of a tiny dense model (the sizes of :class:`TinyShape`, then these). Any
+    field can be overridden by keyword.
 
     The vocabulary is always the tokenizer's (:func:`tokenizer_vocab`); QK-norm follows the
     architecture (qwen3 and gemma3 have it, llama does not).
     """
 
-    n_ctx: int = 2048
-    n_embd: int = 64
-    n_layer: int = 6
-    n_head: int = 4
-    n_head_kv: int = 2
-    head_dim: int = 16
-    n_ff: int = 128
-    rms_eps: float = 1e-6
     rope_freq_base: float = 10000.0
     qkv_bias: bool = False  # blk.N.attn_{q,k,v}.bias
     tied_embeddings: bool = True  # no output.weight: the output head reuses token_embd
@@ -94,10 +88,6 @@ class TinyConfig:
     final_logit_softcapping: float = 0.0
     # storage type of the 2-D matrices ("f32" or "f16"); norms and biases are always F32
     dtype: str = "f32"
-
-    @property
-    def n_vocab(self) -> int:
-        return len(tokenizer_vocab()[0])
 
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -123,17 +113,8 @@ def tiny_config(arch: str, **overrides: Any) -> TinyConfig:
     """The default :class:`TinyConfig` of a dense `arch`, with `overrides` applied."""
     if arch not in _DEFAULTS:
         raise ValueError(f"no dense tiny config for {arch!r}; dense architectures: {', '.join(DENSE_ARCHS)}")
-    known = {f.name for f in fields(TinyConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(f"unknown tiny-model option(s) for {arch}: {', '.join(unknown)}")
-    cfg = replace(TinyConfig(**_DEFAULTS[arch]), **overrides)
-    if cfg.dtype not in ("f32", "f16"):
-        raise ValueError(f"dtype must be 'f32' or 'f16', not {cfg.dtype!r}")
-    if cfg.n_head % cfg.n_head_kv:
-        raise ValueError(f"n_head ({cfg.n_head}) must be a multiple of n_head_kv ({cfg.n_head_kv})")
-    if cfg.n_layer < 1 or cfg.head_dim % 2:
-        raise ValueError("n_layer must be positive and head_dim even")
+    cfg = configure(TinyConfig, arch, overrides, _DEFAULTS[arch])
+    check_shape(cfg)
     if arch != "gemma3" and (cfg.sliding_window or cfg.final_logit_softcapping):
         raise ValueError(f"sliding_window and final_logit_softcapping are gemma3 options; {arch} ignores them")
     return cfg
@@ -154,15 +135,9 @@ def is_swa_layer(cfg: TinyConfig, il: int) -> bool:
 def add_arch_keys(writer: gguf.GGUFWriter, arch: str, cfg: TinyConfig) -> None:
     """Add the ``<arch>.*`` hyperparameter keys that llama.cpp's load_hparams reads."""
     w = writer
-    w.add_uint32(f"{arch}.vocab_size", cfg.n_vocab)
-    w.add_uint32(f"{arch}.context_length", cfg.n_ctx)
-    w.add_uint32(f"{arch}.embedding_length", cfg.n_embd)
-    w.add_uint32(f"{arch}.block_count", cfg.n_layer)
+    add_size_keys(w, arch, cfg)
     w.add_uint32(f"{arch}.feed_forward_length", cfg.n_ff)
-    w.add_uint32(f"{arch}.attention.head_count", cfg.n_head)
-    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.n_head_kv)
-    w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
+    add_head_keys(w, arch, cfg)
     w.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_freq_base)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
@@ -183,21 +158,12 @@ def _add_dense_tensors(writer: gguf.GGUFWriter, arch: str, cfg: TinyConfig, seed
     # embedding entries O(1); gemma3 multiplies its embedding by sqrt(n_embd) = 8 on input, so its
     # entries are drawn smaller (a tied output head then gives logits of a few units either way)
     embd_std = 0.25 if gemma else 0.5
-    writer.add_tensor("token_embd.weight", wf.matrix(cfg.n_vocab, d, gain=embd_std * math.sqrt(d)))
-    writer.add_tensor("output_norm.weight", wf.norm(d))
-    if not cfg.tied_embeddings:
-        writer.add_tensor("output.weight", wf.matrix(cfg.n_vocab, d))
+    add_tensors(writer, head_tensors(wf, cfg.n_vocab, d, embd_gain=embd_std * math.sqrt(d), tied=cfg.tied_embeddings))
 
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
         writer.add_tensor(p + "attn_norm.weight", wf.norm(d))
-        writer.add_tensor(p + "attn_q.weight", wf.matrix(n_q, d))
-        writer.add_tensor(p + "attn_k.weight", wf.matrix(n_kv, d))
-        writer.add_tensor(p + "attn_v.weight", wf.matrix(n_kv, d))
-        if cfg.qkv_bias:
-            writer.add_tensor(p + "attn_q.bias", wf.bias(n_q))
-            writer.add_tensor(p + "attn_k.bias", wf.bias(n_kv))
-            writer.add_tensor(p + "attn_v.bias", wf.bias(n_kv))
+        add_tensors(writer, qkv_tensors(wf, d, n_q, n_kv, bias=cfg.qkv_bias), p)
         if has_qk_norm(arch):
             writer.add_tensor(p + "attn_q_norm.weight", wf.norm(hd))
             writer.add_tensor(p + "attn_k_norm.weight", wf.norm(hd))
@@ -214,11 +180,8 @@ def _add_dense_tensors(writer: gguf.GGUFWriter, arch: str, cfg: TinyConfig, seed
 
 def _build_dense(arch: str, path: pathlib.Path, seed: int, **overrides: Any) -> pathlib.Path:
     cfg = tiny_config(arch, **overrides)
-    writer = new_writer(path, arch)
-    add_arch_keys(writer, arch, cfg)
-    writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
-    _add_dense_tensors(writer, arch, cfg, seed)
-    return write_and_close(writer, path)
+    return write_tiny_model(path, arch, cfg.dtype, lambda w: add_arch_keys(w, arch, cfg),
+                            lambda w: _add_dense_tensors(w, arch, cfg, seed))
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ _HERE = str(pathlib.Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # the sibling modules of tools/, also when this file is loaded by path
     sys.path.insert(0, _HERE)
 
-from tiny_gguf import WeightFactory, new_writer, tokenizer_vocab, write_and_close  # noqa: E402
+from tiny_gguf import TinyShape, WeightFactory, add_tensors  # noqa: E402
+from tiny_gguf import head_tensors, qkv_tensors, shape_problems, write_tiny_model  # noqa: E402
 
 ARCHS = ("qwen2", "mistral3", "qwen3moe")
 
@@ -56,17 +57,10 @@ _ROPE_SCALING = ("", "none", "linear", "yarn")
 
 
 @dataclass(frozen=True)
-class MoreTinyConfig:
-    """Hyperparameters of a tiny qwen2 / mistral3 / qwen3moe model; any field can be overridden."""
+class MoreTinyConfig(TinyShape):
+    """Hyperparameters of a tiny qwen2 / mistral3 / qwen3moe model (the sizes of
+    ``tiny_gguf.TinyShape``, then these); any field can be overridden."""
 
-    n_ctx: int = 2048
-    n_embd: int = 64
-    n_layer: int = 6
-    n_head: int = 4
-    n_head_kv: int = 2
-    head_dim: int = 16
-    n_ff: int = 128
-    rms_eps: float = 1e-6
     rope_freq_base: float = 1_000_000.0
     tied_embeddings: bool = False  # no output.weight: the head reuses token_embd
     qkv_bias: bool = False  # blk.N.attn_{q,k,v}.bias
@@ -90,10 +84,6 @@ class MoreTinyConfig:
     router_gain: float = 2.0
     # storage type of the 2-D and expert matrices ("f32" or "f16")
     dtype: str = "f32"
-
-    @property
-    def n_vocab(self) -> int:
-        return len(tokenizer_vocab()[0])
 
     @property
     def moe(self) -> bool:
@@ -138,13 +128,7 @@ def more_config(arch: str, **overrides: Any) -> MoreTinyConfig:
     if wrong:
         owners = sorted({a for k in wrong for a in _ONLY[k]})
         raise ValueError(f"{arch} has no {', '.join(wrong)} (only {', '.join(owners)})")
-    problems = []
-    if cfg.dtype not in ("f32", "f16"):
-        problems.append(f"dtype must be 'f32' or 'f16', not {cfg.dtype!r}")
-    if cfg.n_head % cfg.n_head_kv:
-        problems.append(f"n_head ({cfg.n_head}) must be a multiple of n_head_kv ({cfg.n_head_kv})")
-    if cfg.n_layer < 1 or cfg.head_dim % 2:
-        problems.append("n_layer must be positive and head_dim even")
+    problems = shape_problems(cfg)
     if arch == "qwen2" and cfg.n_head * cfg.head_dim != cfg.n_embd:
         problems.append(f"qwen2's query width is n_embd: n_head * head_dim must be {cfg.n_embd}")
     if arch == "qwen3moe" and not (cfg.n_expert and cfg.n_expert_used):
@@ -198,22 +182,12 @@ def _write_keys(writer, arch: str, cfg: MoreTinyConfig) -> None:
         add[kind](f"{arch}.{suffix}", value)
 
 
-def _experts(wf: WeightFactory, n_expert: int, n_out: int, n_in: int) -> np.ndarray:
-    """``[n_expert, n_out, n_in]`` stacked projections (ggml ``{n_in, n_out, n_expert}``)."""
-    return np.stack([wf.matrix(n_out, n_in) for _ in range(n_expert)])
-
-
 def _tensors(arch: str, cfg: MoreTinyConfig, seed: int) -> list[tuple[str, np.ndarray]]:
     """Every tensor of the model, in writing (and drawing) order."""
     wf = WeightFactory(seed, cfg.dtype)
     d, hd = cfg.n_embd, cfg.head_dim
     n_q, n_kv = cfg.n_head * hd, cfg.n_head_kv * hd
-    out: list[tuple[str, np.ndarray]] = [
-        ("token_embd.weight", wf.matrix(cfg.n_vocab, d, gain=0.5 * math.sqrt(d))),
-        ("output_norm.weight", wf.norm(d)),
-    ]
-    if not cfg.tied_embeddings:
-        out.append(("output.weight", wf.matrix(cfg.n_vocab, d)))
+    out = head_tensors(wf, cfg.n_vocab, d, embd_gain=0.5 * math.sqrt(d), tied=cfg.tied_embeddings)
     if cfg.output_bias:
         out.append(("output.bias", wf.bias(cfg.n_vocab)))
     if cfg.rope_freqs:  # Llama-3-style factors: 1 for the fastest pairs up to 8 for the slowest
@@ -222,10 +196,7 @@ def _tensors(arch: str, cfg: MoreTinyConfig, seed: int) -> list[tuple[str, np.nd
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
         layer = [("attn_norm.weight", wf.norm(d))]
-        qkv = [("attn_q.weight", wf.matrix(n_q, d)), ("attn_k.weight", wf.matrix(n_kv, d)),
-               ("attn_v.weight", wf.matrix(n_kv, d))]
-        if cfg.qkv_bias:
-            qkv += [("attn_q.bias", wf.bias(n_q)), ("attn_k.bias", wf.bias(n_kv)), ("attn_v.bias", wf.bias(n_kv))]
+        qkv = qkv_tensors(wf, d, n_q, n_kv, bias=cfg.qkv_bias)
         if cfg.fused_qkv:  # create_tensor_qkv's fused form, the same values
             qkv = [(f"attn_qkv.{kind}", np.concatenate([t for name, t in qkv if name.endswith(kind)]))
                    for kind in ("weight", "bias")[: 1 + cfg.qkv_bias]]
@@ -241,9 +212,9 @@ def _tensors(arch: str, cfg: MoreTinyConfig, seed: int) -> list[tuple[str, np.nd
             router = wf.rng.normal(0.0, cfg.router_gain / math.sqrt(d), size=(n_e, d)).astype(np.float32)
             layer += [
                 ("ffn_gate_inp.weight", router),
-                ("ffn_gate_exps.weight", _experts(wf, n_e, ff, d)),
-                ("ffn_up_exps.weight", _experts(wf, n_e, ff, d)),
-                ("ffn_down_exps.weight", _experts(wf, n_e, d, ff)),
+                ("ffn_gate_exps.weight", wf.experts(n_e, ff, d)),
+                ("ffn_up_exps.weight", wf.experts(n_e, ff, d)),
+                ("ffn_down_exps.weight", wf.experts(n_e, d, ff)),
             ]
         else:
             layer += [
@@ -265,12 +236,8 @@ def build_dense_more(arch: str, path: os.PathLike[str] | str, seed: int = 0, **o
     ``tied_embeddings=True``, ``rope_scaling="yarn", rope_scaling_factor=4.0, rope_orig_ctx=32``.
     """
     cfg = more_config(arch, **overrides)
-    writer = new_writer(path, arch)
-    _write_keys(writer, arch, cfg)
-    writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
-    for name, tensor in _tensors(arch, cfg, seed):
-        writer.add_tensor(name, tensor)
-    return write_and_close(writer, path)
+    return write_tiny_model(path, arch, cfg.dtype, lambda w: _write_keys(w, arch, cfg),
+                            lambda w: add_tensors(w, _tensors(arch, cfg, seed)))
 
 
 if __name__ == "__main__":

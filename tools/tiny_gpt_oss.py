@@ -35,7 +35,7 @@ import math
 import os
 import pathlib
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,8 @@ _HERE = str(pathlib.Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # the sibling modules of tools/, also when this file is loaded by path
     sys.path.insert(0, _HERE)
 
-from tiny_gguf import WeightFactory, new_writer, tokenizer_vocab, write_and_close  # noqa: E402
+from tiny_gguf import WeightFactory, add_head_keys, add_size_keys, add_tensors, check_shape, configure  # noqa: E402
+from tiny_gguf import head_tensors, qkv_tensors, with_tokenizer_vocab, write_tiny_model  # noqa: E402
 
 ARCH = "gpt-oss"
 
@@ -96,24 +97,8 @@ class GptOssTinyConfig:
 
 def gpt_oss_config(**overrides: Any) -> GptOssTinyConfig:
     """The default :class:`GptOssTinyConfig` with `overrides` applied (validated)."""
-    known = {f.name for f in fields(GptOssTinyConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(f"unknown tiny-model option(s) for gpt-oss: {', '.join(unknown)}")
-    if overrides.get("swa_pattern") is not None:
-        overrides["swa_pattern"] = tuple(bool(x) for x in overrides["swa_pattern"])
-    cfg = replace(GptOssTinyConfig(), **overrides)
-    n_tok = len(tokenizer_vocab()[0])
-    if cfg.n_vocab == 0:
-        cfg = replace(cfg, n_vocab=n_tok)
-    if cfg.n_vocab < n_tok:
-        raise ValueError(f"n_vocab must be at least the tokenizer's {n_tok} tokens")
-    if cfg.dtype not in ("f32", "f16"):
-        raise ValueError(f"dtype must be 'f32' or 'f16', not {cfg.dtype!r}")
-    if cfg.n_head % cfg.n_head_kv:
-        raise ValueError(f"n_head ({cfg.n_head}) must be a multiple of n_head_kv ({cfg.n_head_kv})")
-    if cfg.n_layer < 1 or cfg.head_dim % 2:
-        raise ValueError("n_layer must be positive and head_dim even")
+    cfg = with_tokenizer_vocab(configure(GptOssTinyConfig, ARCH, overrides, tuples={"swa_pattern": bool}))
+    check_shape(cfg)
     if not 0 < cfg.n_expert_used <= cfg.n_expert:
         raise ValueError(f"n_expert_used ({cfg.n_expert_used}) must be in 1..n_expert ({cfg.n_expert})")
     if cfg.sliding_window < 1:
@@ -129,18 +114,12 @@ def add_gpt_oss_keys(writer, cfg: GptOssTinyConfig) -> None:
     """The ``gpt-oss.*`` hyperparameter keys llama.cpp's loader reads (and the converter writes)."""
     a = ARCH
     w = writer
-    w.add_uint32(f"{a}.vocab_size", cfg.n_vocab)
-    w.add_uint32(f"{a}.context_length", cfg.n_ctx)
-    w.add_uint32(f"{a}.embedding_length", cfg.n_embd)
-    w.add_uint32(f"{a}.block_count", cfg.n_layer)
+    add_size_keys(w, a, cfg)
     w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff_exp)  # the converter writes intermediate_size twice
     w.add_uint32(f"{a}.expert_feed_forward_length", cfg.n_ff_exp)
     w.add_uint32(f"{a}.expert_count", cfg.n_expert)
     w.add_uint32(f"{a}.expert_used_count", cfg.n_expert_used)
-    w.add_uint32(f"{a}.attention.head_count", cfg.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    add_head_keys(w, a, cfg)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
     w.add_uint32(f"{a}.attention.sliding_window", cfg.sliding_window)
     if cfg.swa_pattern is not None:
@@ -160,30 +139,18 @@ def add_gpt_oss_keys(writer, cfg: GptOssTinyConfig) -> None:
         w.add_float32(f"{a}.rope.scaling.attn_factor", cfg.rope_attn_factor)
 
 
-def _experts(wf: WeightFactory, n_expert: int, n_out: int, n_in: int, gain: float) -> np.ndarray:
-    """[n_expert, n_out, n_in] (ggml {n_in, n_out, n_expert}), one seeded matrix per expert."""
-    return np.stack([wf.matrix(n_out, n_in, gain=gain) for _ in range(n_expert)])
-
-
 def _add_gpt_oss_tensors(writer, cfg: GptOssTinyConfig, seed: int) -> None:
     wf = WeightFactory(seed, cfg.dtype)
     rng = wf.rng
     d, hd, E, F = cfg.n_embd, cfg.head_dim, cfg.n_expert, cfg.n_ff_exp
     n_q, n_kv = cfg.n_head * hd, cfg.n_head_kv * hd
 
-    writer.add_tensor("token_embd.weight", wf.matrix(cfg.n_vocab, d, gain=math.sqrt(d)))  # entries ~N(0, 1)
-    writer.add_tensor("output_norm.weight", wf.norm(d))
-    writer.add_tensor("output.weight", wf.matrix(cfg.n_vocab, d))
+    add_tensors(writer, head_tensors(wf, cfg.n_vocab, d, embd_gain=math.sqrt(d)))  # embedding entries ~N(0, 1)
 
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
         writer.add_tensor(p + "attn_norm.weight", wf.norm(d))
-        writer.add_tensor(p + "attn_q.weight", wf.matrix(n_q, d))
-        writer.add_tensor(p + "attn_k.weight", wf.matrix(n_kv, d))
-        writer.add_tensor(p + "attn_v.weight", wf.matrix(n_kv, d))
-        writer.add_tensor(p + "attn_q.bias", wf.bias(n_q))
-        writer.add_tensor(p + "attn_k.bias", wf.bias(n_kv))
-        writer.add_tensor(p + "attn_v.bias", wf.bias(n_kv))
+        add_tensors(writer, qkv_tensors(wf, d, n_q, n_kv, bias=True), p)
         writer.add_tensor(p + "attn_output.weight", wf.matrix(d, n_q))
         writer.add_tensor(p + "attn_output.bias", wf.bias(d))
         sinks = cfg.sink_mean + cfg.sink_std * rng.standard_normal(cfg.n_head)
@@ -191,11 +158,11 @@ def _add_gpt_oss_tensors(writer, cfg: GptOssTinyConfig, seed: int) -> None:
         writer.add_tensor(p + "post_attention_norm.weight", wf.norm(d))
         writer.add_tensor(p + "ffn_gate_inp.weight", wf.matrix(E, d))
         writer.add_tensor(p + "ffn_gate_inp.bias", wf.bias(E, scale=cfg.router_bias_scale))
-        writer.add_tensor(p + "ffn_gate_exps.weight", _experts(wf, E, F, d, cfg.expert_gain))
+        writer.add_tensor(p + "ffn_gate_exps.weight", wf.experts(E, F, d, cfg.expert_gain))
         writer.add_tensor(p + "ffn_gate_exps.bias", wf.bias(E * F).reshape(E, F))
-        writer.add_tensor(p + "ffn_up_exps.weight", _experts(wf, E, F, d, cfg.expert_gain))
+        writer.add_tensor(p + "ffn_up_exps.weight", wf.experts(E, F, d, cfg.expert_gain))
         writer.add_tensor(p + "ffn_up_exps.bias", wf.bias(E * F).reshape(E, F))
-        writer.add_tensor(p + "ffn_down_exps.weight", _experts(wf, E, d, F, cfg.expert_down_gain))
+        writer.add_tensor(p + "ffn_down_exps.weight", wf.experts(E, d, F, cfg.expert_down_gain))
         writer.add_tensor(p + "ffn_down_exps.bias", wf.bias(E * d).reshape(E, d))
 
 
@@ -207,11 +174,8 @@ def build_gpt_oss(path: os.PathLike[str] | str, seed: int = 0, **overrides: Any)
     byte-identical files.
     """
     cfg = gpt_oss_config(**overrides)
-    writer = new_writer(path, ARCH)
-    add_gpt_oss_keys(writer, cfg)
-    writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
-    _add_gpt_oss_tensors(writer, cfg, seed)
-    return write_and_close(writer, path)
+    return write_tiny_model(path, ARCH, cfg.dtype, lambda w: add_gpt_oss_keys(w, cfg),
+                            lambda w: _add_gpt_oss_tensors(w, cfg, seed))
 
 
 if __name__ == "__main__":

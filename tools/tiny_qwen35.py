@@ -49,7 +49,7 @@ import math
 import os
 import pathlib
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,8 @@ _HERE = str(pathlib.Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # the sibling modules of tools/, also when this file is loaded by path
     sys.path.insert(0, _HERE)
 
-from tiny_gguf import WeightFactory, new_writer, tokenizer_vocab, write_and_close  # noqa: E402
+from tiny_gguf import WeightFactory, add_head_keys, add_size_keys, add_tensors, check_shape  # noqa: E402
+from tiny_gguf import configure, head_tensors, with_tokenizer_vocab, write_tiny_model  # noqa: E402
 
 ARCH = "qwen35"
 ARCH_MOE = "qwen35moe"
@@ -132,24 +133,9 @@ MOE_DEFAULTS: dict[str, Any] = dict(n_ff=0, n_expert=4, n_expert_used=2, n_ff_ex
 
 def qwen35_config(**overrides: Any) -> Qwen35TinyConfig:
     """The default :class:`Qwen35TinyConfig` with `overrides` applied (validated)."""
-    known = {f.name for f in fields(Qwen35TinyConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(f"unknown tiny-model option(s) for qwen35: {', '.join(unknown)}")
-    if "recurrent_layers" in overrides and overrides["recurrent_layers"] is not None:
-        overrides["recurrent_layers"] = tuple(bool(x) for x in overrides["recurrent_layers"])
-    if "rope_sections" in overrides:
-        overrides["rope_sections"] = tuple(int(x) for x in overrides["rope_sections"])
-    cfg = replace(Qwen35TinyConfig(), **overrides)
-    n_tok = len(tokenizer_vocab()[0])
-    if cfg.n_vocab == 0:
-        cfg = replace(cfg, n_vocab=n_tok)
-    if cfg.n_vocab < n_tok:
-        raise ValueError(f"n_vocab must be at least the tokenizer's {n_tok} tokens")
-    if cfg.dtype not in ("f32", "f16"):
-        raise ValueError(f"dtype must be 'f32' or 'f16', not {cfg.dtype!r}")
-    if cfg.n_head % cfg.n_head_kv:
-        raise ValueError(f"n_head ({cfg.n_head}) must be a multiple of n_head_kv ({cfg.n_head_kv})")
+    cfg = configure(Qwen35TinyConfig, ARCH, overrides, tuples={"recurrent_layers": bool, "rope_sections": int})
+    cfg = with_tokenizer_vocab(cfg)
+    check_shape(cfg, layers=False)  # dtype and head grouping (the rotary width n_rot is checked below)
     if cfg.ssm_n_v_heads % cfg.ssm_n_k_heads:
         raise ValueError(f"ssm_n_v_heads ({cfg.ssm_n_v_heads}) must be a multiple of ssm_n_k_heads ({cfg.ssm_n_k_heads})")
     if cfg.n_rot % 2 or not 0 < cfg.n_rot <= cfg.head_dim:
@@ -179,16 +165,10 @@ def add_qwen35_keys(writer, cfg: Qwen35TinyConfig) -> None:
     """The ``qwen35.*`` (``qwen35moe.*``) hyperparameter keys llama.cpp's loader reads."""
     a = cfg.arch
     w = writer
-    w.add_uint32(f"{a}.vocab_size", cfg.n_vocab)
-    w.add_uint32(f"{a}.context_length", cfg.n_ctx)
-    w.add_uint32(f"{a}.embedding_length", cfg.n_embd)
-    w.add_uint32(f"{a}.block_count", cfg.n_layer)
+    add_size_keys(w, a, cfg)
     if cfg.n_ff:
         w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff)
-    w.add_uint32(f"{a}.attention.head_count", cfg.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    add_head_keys(w, a, cfg)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
     w.add_uint32(f"{a}.rope.dimension_count", cfg.n_rot)
     w.add_float32(f"{a}.rope.freq_base", cfg.rope_freq_base)
@@ -212,14 +192,14 @@ def _add_moe_tensors(writer, wf: WeightFactory, cfg: Qwen35TinyConfig, p: str) -
     """One layer's routed and shared experts (qwen35moe's build_layer_ffn)."""
     d, E, f = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
     writer.add_tensor(p + "ffn_gate_inp.weight", wf.matrix(E, d).astype(np.float32))  # the router, F32
-    gate = np.stack([wf.matrix(f, d) for _ in range(E)])  # [E, f, d] (ggml {d, f, E})
-    up = np.stack([wf.matrix(f, d) for _ in range(E)])
+    gate = wf.experts(E, f, d)  # [E, f, d] (ggml {d, f, E})
+    up = wf.experts(E, f, d)
     if cfg.gate_up_merged:
         writer.add_tensor(p + "ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1))  # [E, 2f, d]
     else:
         writer.add_tensor(p + "ffn_gate_exps.weight", gate)
         writer.add_tensor(p + "ffn_up_exps.weight", up)
-    writer.add_tensor(p + "ffn_down_exps.weight", np.stack([wf.matrix(d, f) for _ in range(E)]))  # [E, d, f]
+    writer.add_tensor(p + "ffn_down_exps.weight", wf.experts(E, d, f))  # [E, d, f]
     # the shared expert's gate: one row of the router's scale, F32 as the converter stores it
     writer.add_tensor(p + "ffn_gate_inp_shexp.weight", wf.matrix(1, d)[0].astype(np.float32))
     writer.add_tensor(p + "ffn_gate_shexp.weight", wf.matrix(cfg.n_ff_shexp, d))
@@ -232,9 +212,7 @@ def _add_qwen35_tensors(writer, cfg: Qwen35TinyConfig, seed: int) -> None:
     rng = wf.rng
     d, hd = cfg.n_embd, cfg.head_dim
 
-    writer.add_tensor("token_embd.weight", wf.matrix(cfg.n_vocab, d, gain=math.sqrt(d)))  # entries ~N(0, 1)
-    writer.add_tensor("output_norm.weight", wf.norm(d))
-    writer.add_tensor("output.weight", wf.matrix(cfg.n_vocab, d))
+    add_tensors(writer, head_tensors(wf, cfg.n_vocab, d, embd_gain=math.sqrt(d)))  # embedding entries ~N(0, 1)
 
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
@@ -299,11 +277,8 @@ def build_qwen35moe(path: os.PathLike[str] | str, seed: int = 0, **overrides: An
 
 
 def _write(path: os.PathLike[str] | str, cfg: Qwen35TinyConfig, seed: int) -> pathlib.Path:
-    writer = new_writer(path, cfg.arch)
-    add_qwen35_keys(writer, cfg)
-    writer.add_uint32("general.file_type", 1 if cfg.dtype == "f16" else 0)  # MOSTLY_F16 / ALL_F32
-    _add_qwen35_tensors(writer, cfg, seed)
-    return write_and_close(writer, path)
+    return write_tiny_model(path, cfg.arch, cfg.dtype, lambda w: add_qwen35_keys(w, cfg),
+                            lambda w: _add_qwen35_tensors(w, cfg, seed))
 
 
 if __name__ == "__main__":
