@@ -91,27 +91,42 @@ def _swa_flags(oracle: Oracle, n_layer: int, default_pattern: int) -> list[bool]
     return [n == 0 or (il % n) < (n - 1) for il in range(n_layer)]
 
 
-def _resolve_hparams(o: Oracle, n_vocab: int) -> DenseHParams:
-    arch = o.arch
+def resolve_sizes(o: Oracle) -> tuple[int, int, int, int, int, int]:
+    """``(n_layer, n_embd, n_head, n_head_kv, key_length, value_length)`` as llama.cpp's loader reads
+    them: the KV heads default to the query heads, both head sizes to ``n_embd / n_head``; per-layer
+    head counts (arrays) are refused. The dense, more-dense and gpt-oss oracles share it."""
     n_layer = int(o.hparam("block_count"))
     n_embd = int(o.hparam("embedding_length"))
     n_head = o.hparam("attention.head_count")
     n_head_kv = o.hparam("attention.head_count_kv", n_head)
     if isinstance(n_head, list) or isinstance(n_head_kv, list):
-        raise ValueError(f"{arch}: per-layer head counts are not supported by the oracle")
+        raise ValueError(f"{o.arch}: per-layer head counts are not supported by the oracle")
     n_head, n_head_kv = int(n_head), int(n_head_kv)
-    head_dim = int(o.hparam("attention.key_length", n_embd // n_head))
+    head_dim_k = int(o.hparam("attention.key_length", n_embd // n_head))
     head_dim_v = int(o.hparam("attention.value_length", n_embd // n_head))
+    return n_layer, n_embd, n_head, n_head_kv, head_dim_k, head_dim_v
+
+
+def resolve_rope_scaling(o: Oracle, supported: tuple[str, ...]) -> tuple[str, float]:
+    """``rope.scaling.type`` (llama.cpp's default ``"linear"``), refused unless in `supported`, and
+    the scaling factor (``rope.scaling.factor``, else the older ``rope.scale_linear``; 0: none)."""
+    scaling = str(o.hparam("rope.scaling.type", "linear"))
+    if scaling not in supported:
+        raise ValueError(f"{o.arch}: rope scaling {scaling!r} is not supported by the oracle")
+    factor = float(o.hparam("rope.scaling.factor", 0.0) or o.hparam("rope.scale_linear", 0.0) or 0.0)
+    return scaling, factor
+
+
+def _resolve_hparams(o: Oracle, n_vocab: int) -> DenseHParams:
+    arch = o.arch
+    n_layer, n_embd, n_head, n_head_kv, head_dim, head_dim_v = resolve_sizes(o)
     if head_dim_v != head_dim:
         raise ValueError(f"{arch}: key_length {head_dim} != value_length {head_dim_v} is not supported")
     n_rot = int(o.hparam("rope.dimension_count", head_dim))
     if n_rot != head_dim:  # all three graphs assert n_rot == n_embd_head
         raise ValueError(f"{arch}: rope.dimension_count {n_rot} != head_dim {head_dim}")
 
-    scaling = str(o.hparam("rope.scaling.type", "linear"))
-    if scaling not in ("none", "linear"):
-        raise ValueError(f"{arch}: rope scaling {scaling!r} is not supported by the oracle")
-    factor = float(o.hparam("rope.scaling.factor", 0.0) or o.hparam("rope.scale_linear", 0.0) or 0.0)
+    _, factor = resolve_rope_scaling(o, ("none", "linear"))
     freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
     freq_base = float(o.hparam("rope.freq_base", 10000.0))
 
@@ -152,8 +167,10 @@ def _resolve_hparams(o: Oracle, n_vocab: int) -> DenseHParams:
 
 
 @dataclass
-class DenseLayerWeights:
-    """One layer's tensors (torch, the oracle's dtype). Optional ones are None when absent."""
+class AttentionInputWeights:
+    """A layer's attention pre-norm and Q/K/V projections (torch, the oracle's dtype; a bias is None
+    when absent): the first fields of every oracle's layer weights that :class:`DenseOracle`'s
+    q/k/v pieces read."""
 
     attn_norm: torch.Tensor
     wq: torch.Tensor
@@ -162,6 +179,13 @@ class DenseLayerWeights:
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
+
+
+@dataclass
+class DenseLayerWeights(AttentionInputWeights):
+    """One layer's tensors (torch, the oracle's dtype): :class:`AttentionInputWeights`' fields, then
+    these. Optional ones are None when absent."""
+
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     wo: torch.Tensor

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from .common import ROPE_NEOX, ROPE_NORM, Oracle, apply_rope, linear, rms_norm, rope_angles, silu
-from .dense import DenseHParams, DenseLayerWeights, DenseOracle
+from .dense import DenseHParams, DenseLayerWeights, DenseOracle, resolve_rope_scaling, resolve_sizes
 
 MORE_ARCHITECTURES = ("qwen2", "mistral3", "qwen3moe")
 
@@ -115,10 +115,7 @@ def _get_mscale(scale: np.float32, m: float) -> np.float32:
 def _rope_scaling(o: Oracle, freq_base: float, n_rot: int, yarn_beta: tuple[float, float] | None) -> dict[str, Any]:
     """freq_scale, ext_factor, the cos/sin magnitude and the YaRN correction dims, resolved as
     llama_context's constructor does with default context parameters (nothing overridden)."""
-    kind = str(o.hparam("rope.scaling.type", "linear"))
-    if kind not in ("none", "linear", "yarn"):
-        raise ValueError(f"{o.arch}: rope scaling {kind!r} is not supported by the oracle")
-    factor = float(o.hparam("rope.scaling.factor", 0.0) or o.hparam("rope.scale_linear", 0.0) or 0.0)
+    kind, factor = resolve_rope_scaling(o, ("none", "linear", "yarn"))
     freq_scale = _f32(1.0) if factor == 0.0 or kind == "none" else _f32(1.0) / _f32(factor)
     n_ctx_orig = int(o.hparam("rope.scaling.original_context_length", 0) or o.hparam("context_length"))
     ext_factor = 1.0 if kind == "yarn" else 0.0  # yarn_ext_factor < 0: "not set"
@@ -144,14 +141,7 @@ def _rope_scaling(o: Oracle, freq_base: float, n_rot: int, yarn_beta: tuple[floa
 
 def _resolve(o: Oracle, n_vocab: int, yarn_beta: tuple[float, float] | None) -> MoreHParams:
     arch = o.arch
-    n_layer = int(o.hparam("block_count"))
-    n_embd = int(o.hparam("embedding_length"))
-    heads = (o.hparam("attention.head_count"), o.hparam("attention.head_count_kv", o.hparam("attention.head_count")))
-    if any(isinstance(h, list) for h in heads):
-        raise ValueError(f"{arch}: per-layer head counts are not supported by the oracle")
-    n_head, n_head_kv = (int(h) for h in heads)
-    head_k = int(o.hparam("attention.key_length", n_embd // n_head))
-    head_v = int(o.hparam("attention.value_length", n_embd // n_head))
+    n_layer, n_embd, n_head, n_head_kv, head_k, head_v = resolve_sizes(o)
     n_rot = int(o.hparam("rope.dimension_count", head_k))
     if not head_k == head_v == n_rot:  # each builder asserts n_embd_head_k == n_embd_head_v == n_rot
         raise ValueError(f"{arch}: key_length {head_k}, value_length {head_v}, rope.dimension_count {n_rot} differ")

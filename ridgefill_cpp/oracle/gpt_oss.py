@@ -79,7 +79,8 @@ from .common import (
     linear,
     rms_norm,
 )
-from .dense import DenseHParams, DenseOracle
+from .dense import AttentionInputWeights, DenseHParams, DenseOracle, resolve_rope_scaling, resolve_sizes
+from .dense import _swa_flags as dense_swa_flags  # llama.cpp's load_swa_pattern
 
 ARCH = "gpt-oss"
 
@@ -194,12 +195,9 @@ class GptOssHParams(DenseHParams):
 def _swa_flags(o: Oracle, n_layer: int) -> list[bool]:
     """llama.cpp's load_swa_pattern(ml, 2) for gpt-oss: an explicit bool array, or period 2."""
     pattern = o.hparam("attention.sliding_window_pattern", 2)
-    if isinstance(pattern, (list, tuple)):
-        if len(pattern) < n_layer:
-            raise ValueError(f"gpt-oss: attention.sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
-        return [bool(p) for p in pattern[:n_layer]]
-    n = int(pattern)
-    return [n == 0 or (il % n) < (n - 1) for il in range(n_layer)]
+    if isinstance(pattern, (list, tuple)) and len(pattern) < n_layer:
+        raise ValueError(f"gpt-oss: attention.sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
+    return dense_swa_flags(o, n_layer, default_pattern=2)
 
 
 def _scalar(value: Any) -> int:
@@ -211,24 +209,13 @@ def _scalar(value: Any) -> int:
 
 def resolve_hparams(o: Oracle, n_vocab: int) -> GptOssHParams:
     f32 = np.float32
-    n_layer = int(o.hparam("block_count"))
-    n_embd = int(o.hparam("embedding_length"))
-    n_head = o.hparam("attention.head_count")
-    n_head_kv = o.hparam("attention.head_count_kv", n_head)
-    if isinstance(n_head, list) or isinstance(n_head_kv, list):
-        raise ValueError("gpt-oss: per-layer head counts are not supported by the oracle")
-    n_head, n_head_kv = int(n_head), int(n_head_kv)
-    head_dim_k = int(o.hparam("attention.key_length", n_embd // n_head))
-    head_dim_v = int(o.hparam("attention.value_length", n_embd // n_head))
+    n_layer, n_embd, n_head, n_head_kv, head_dim_k, head_dim_v = resolve_sizes(o)
     n_rot = int(o.hparam("rope.dimension_count", head_dim_k))
     if not n_rot == head_dim_k == head_dim_v:  # the tensors are created with n_rot as the head dim
         raise ValueError(f"gpt-oss: rope.dimension_count {n_rot}, key_length {head_dim_k} and value_length "
                          f"{head_dim_v} must agree")
 
-    scaling = str(o.hparam("rope.scaling.type", "linear"))
-    if scaling not in ("none", "linear", "yarn"):
-        raise ValueError(f"gpt-oss: rope scaling {scaling!r} is not supported by the oracle")
-    factor = float(o.hparam("rope.scaling.factor", 0.0) or o.hparam("rope.scale_linear", 0.0) or 0.0)
+    scaling, factor = resolve_rope_scaling(o, ("none", "linear", "yarn"))
     freq_scale_train = float(f32(1.0) / f32(factor)) if factor != 0.0 else 1.0
     freq_scale = 1.0 if scaling == "none" else freq_scale_train  # cparams: never scale under "none"
     freq_base = float(o.hparam("rope.freq_base", 10000.0))
@@ -269,17 +256,10 @@ def resolve_hparams(o: Oracle, n_vocab: int) -> GptOssHParams:
 
 
 @dataclass
-class GptOssLayerWeights:
-    """One layer's tensors. The attention fields carry :class:`~.dense.DenseLayerWeights`' names
-    (so :class:`DenseOracle`'s q/k/v pieces read them); gpt-oss has no QK-norm and no post-norms."""
+class GptOssLayerWeights(AttentionInputWeights):
+    """One layer's tensors: :class:`~.dense.AttentionInputWeights`' fields (so :class:`DenseOracle`'s
+    q/k/v pieces read them), then these; gpt-oss has no QK-norm and no post-norms."""
 
-    attn_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    bq: torch.Tensor | None
-    bk: torch.Tensor | None
-    bv: torch.Tensor | None
     wo: torch.Tensor
     bo: torch.Tensor
     sinks: torch.Tensor  # [n_head]
