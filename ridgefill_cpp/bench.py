@@ -28,7 +28,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import llama_cpp
 import numpy as np
@@ -138,6 +138,35 @@ def prompt_tokens(llm, n: int) -> list[int]:
     return bos + body
 
 
+def warm_up(llms: Iterable[Any], tokens: Sequence[int]) -> None:
+    """One prefill of `tokens` in each open context (first-call allocations are not prefill)."""
+    for llm in llms:
+        llm.reset()
+        llm.eval(tokens)
+
+
+def alternated_ttft(variants: Mapping[str, Any], tokens: Sequence[int], repeats: int
+                    ) -> tuple[dict[str, list[float]], dict[str, np.ndarray]]:
+    """Time to first token of `tokens` in each open context of `variants` (name -> Llama), `repeats`
+    times: even repetitions visit them in the given order, odd ones in reverse (so that none always
+    goes first). A time runs from the context's reset through the prefill to the last row's logits
+    on the host. Returns the times (name -> seconds of each repetition) and each variant's logits
+    of its last run. (The tools' side-by-side loop, tools/bench_archs.py and tools/gpu_check.py;
+    :func:`benchmark_prefill` opens fresh contexts every repetition instead.)"""
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    logits: dict[str, np.ndarray] = {}
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            llm = variants[name]
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(tokens)
+            logits[name] = last_logits(llm)
+            times[name].append(time.perf_counter() - t)
+    return times, logits
+
+
 def derived_first_layers(model: os.PathLike | str, split: int) -> Path:
     """The model cut to its first ``split`` layers, cached next to the other derived files."""
     src = Path(model)
@@ -222,9 +251,7 @@ def benchmark_prefill(
                                      n_threads=n_threads, ridgefill=kw.get("ridgefill"))
             if not prompts:
                 prompts = {n: prompt_tokens(llms[STOCK], n) for n in lengths}
-            for llm in llms.values():  # warm-up: first-call allocations are not prefill
-                llm.reset()
-                llm.eval(prompts[lengths[0]][: min(64, lengths[0])])
+            warm_up(llms.values(), prompts[lengths[0]][: min(64, lengths[0])])
             for n in lengths:
                 if r == 0:  # stock first on the first round: the quality reference
                     order_n = [STOCK] + [v for v in order if v != STOCK]

@@ -19,7 +19,6 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -49,7 +48,7 @@ SHAPES = {
 def bench(arch: str, tmp: pathlib.Path, lengths: list[int], repeats: int, threads: int) -> dict:
     import make_tiny_models as mtm
     from ridgefill_cpp import Llama, RidgeFill
-    from ridgefill_cpp.bench import last_logits, prompt_tokens
+    from ridgefill_cpp.bench import alternated_ttft, prompt_tokens, warm_up
 
     what, shape = SHAPES[arch]
     n_ctx = max(lengths) + 16
@@ -62,19 +61,9 @@ def bench(arch: str, tmp: pathlib.Path, lengths: list[int], repeats: int, thread
     prompt = prompt_tokens(stock, max(lengths))
     out = {"arch": arch, "shape": what, "config": shape, "split": split, "rows": []}
     try:
-        for llm in (stock, rf):  # warm-up
-            llm.reset()
-            llm.eval(prompt[:256])
+        warm_up((stock, rf), prompt[:256])
         for n in lengths:
-            times = {"stock": [], "ridgefill": []}
-            for i in range(repeats):
-                order = (("stock", stock), ("ridgefill", rf)) if i % 2 == 0 else (("ridgefill", rf), ("stock", stock))
-                for name, llm in order:
-                    llm.reset()
-                    t = time.perf_counter()
-                    llm.eval(prompt[:n])
-                    _ = last_logits(llm)
-                    times[name].append(time.perf_counter() - t)
+            times, _ = alternated_ttft({"stock": stock, "ridgefill": rf}, prompt[:n], repeats)
             st = dict(rf.ridgefill_stats)
             row = {"n": n, "stock_s": statistics.median(times["stock"]), "ridgefill_s": statistics.median(times["ridgefill"]),
                    "ceiling": st.get("ceiling"), "late_ms": st.get("late_ms"), "n_filled": st.get("n_filled")}

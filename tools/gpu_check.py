@@ -134,7 +134,7 @@ def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int
           flash_attn: bool) -> dict:
     import tiny_qwen35
     from ridgefill_cpp import Llama, RidgeFill, corpus
-    from ridgefill_cpp.bench import kl_divergence, last_logits, prompt_tokens
+    from ridgefill_cpp.bench import alternated_ttft, kl_divergence, prompt_tokens, warm_up
     from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
     from ridgefill_cpp.mapfile import write_map_file
 
@@ -165,24 +165,14 @@ def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int
     # LLAMA_RIDGEFILL_TIMING=1: the RidgeFill context logs where each prefill's time went
     rf = Llama(str(model), ridgefill=setting, **{**kw, "verbose": bool(os.environ.get("LLAMA_RIDGEFILL_TIMING"))})
     prompt = prompt_tokens(stock, max(lengths))
-    for llm in (stock, rf):  # warm-up
-        llm.reset()
-        llm.eval(prompt[:256])
+    warm_up((stock, rf), prompt[:256])
     for n in lengths:
-        times = {"stock": [], "ridgefill": []}
-        for i in range(repeats):
-            for name, llm in (("stock", stock), ("ridgefill", rf)) if i % 2 == 0 else (("ridgefill", rf), ("stock", stock)):
-                llm.reset()
-                t = time.perf_counter()
-                llm.eval(prompt[:n])
-                _ = last_logits(llm)  # the first token's logits are on the host: TTFT
-                times[name].append(time.perf_counter() - t)
-                if name == "stock":
-                    ref = last_logits(llm)
-                else:
-                    got, st = last_logits(llm), dict(llm.ridgefill_stats)
+        # TTFT: each time ends with the first token's logits on the host
+        times, logits = alternated_ttft({"stock": stock, "ridgefill": rf}, prompt[:n], repeats)
+        st = dict(rf.ridgefill_stats)
         row = {"n": n, "stock_s": statistics.median(times["stock"]), "ridgefill_s": statistics.median(times["ridgefill"]),
-               "ceiling": st.get("ceiling"), "kl": kl_divergence(ref, got), "late_ms": st.get("late_ms")}
+               "ceiling": st.get("ceiling"), "kl": kl_divergence(logits["stock"], logits["ridgefill"]),
+               "late_ms": st.get("late_ms")}
         row["speedup"] = row["stock_s"] / row["ridgefill_s"]
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
