@@ -46,6 +46,18 @@ def tokenize(model_path, text: str, n: int | None = None, add_bos: bool = True) 
     return ids
 
 
+def tiny_model_fixture(build, name: str, seed: int = 0, **overrides):
+    """A module-scoped fixture: the path of the tiny model ``build(<tmp>/<name>.gguf, seed=seed,
+    **overrides)`` writes (a builder of tools/, e.g. ``tiny_qwen35.build_qwen35``), once per module.
+    Assign it to the fixture's name: ``model = tiny_model_fixture(tiny_qwen35.build_qwen35, "tiny-qwen35")``."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory) -> Path:
+        return build(tmp_path_factory.mktemp(name) / f"{name}.gguf", seed=seed, **overrides)
+
+    return fixture
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return _real_model("smollm2-135m")

@@ -132,6 +132,25 @@ def _fmt(err: dict) -> str:
             f" fro max {max(err['layer_fro_rel']):.1e} | logits rel {err['logits_max_rel']:.1e}")
 
 
+def assert_kv_path_gives_the_cache(oracle, out, kv_shape: tuple[int, int, int]) -> None:
+    """kv_path on each layer's whole input (forward output `out`) gives exactly the K/V rows, of
+    shape `kv_shape`, the full layer wrote."""
+    positions = torch.arange(len(out.layer_inputs[0]))
+    for il in range(oracle.n_layer):
+        k, v = oracle.kv_path(il, out.layer_inputs[il], positions)
+        assert k.shape == v.shape == kv_shape
+        assert torch.equal(k, out.keys[il]) and torch.equal(v, out.values[il])
+
+
+def assert_kv_path_rows_are_independent(oracle, out, layers, rows=(0, 17, 63, 99)) -> None:
+    """kv_path on a subset of a layer's input rows, at their positions, gives the same K/V rows."""
+    rows = torch.tensor(rows)
+    for il in layers:
+        k, v = oracle.kv_path(il, out.layer_inputs[il][rows], rows)
+        torch.testing.assert_close(k, out.keys[il][rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v, out.values[il][rows], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("arch", DENSE)
 def test_oracle_matches_llama_cpp(arch, tiny_models, prompt_tokens, captured, record_property):
     oracle = load_oracle(tiny_models[arch], dtype=torch.float64)
@@ -184,31 +203,33 @@ def test_kv_path_reproduces_the_cache_rows(arch, tiny_models, prompt_tokens):
     filled-row checks will call on predicted inputs)."""
     oracle = load_oracle(tiny_models[arch], dtype=torch.float64)
     out = oracle.forward(prompt_tokens)
-    positions = torch.arange(N_TOKENS)
-    for il in range(oracle.n_layer):
-        k, v = oracle.kv_path(il, out.layer_inputs[il], positions)
-        assert k.shape == v.shape == (N_TOKENS, 2, 16)
-        assert torch.equal(k, out.keys[il]) and torch.equal(v, out.values[il])
+    assert_kv_path_gives_the_cache(oracle, out, (N_TOKENS, 2, 16))
     # rows are independent: a subset of rows at their positions gives the same rows
-    rows = torch.tensor([0, 17, 63, 99])
-    k, v = oracle.kv_path(oracle.n_layer - 1, out.layer_inputs[-1][rows], rows)
-    torch.testing.assert_close(k, out.keys[-1][rows], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(v, out.values[-1][rows], rtol=1e-12, atol=1e-12)
+    assert_kv_path_rows_are_independent(oracle, out, [oracle.n_layer - 1])
 
 
 # ------------------------------------------------------------------------------------------------
 # the comparison is sharp: getting any convention wrong fails it
 
 
+def set_hp(**changes):
+    """A mutation: the oracle's hyperparameters with `changes`."""
+    return lambda o: setattr(o, "hp", dataclasses.replace(o.hp, **changes))
+
+
+def each_layer(f):
+    """A mutation: ``f(oracle, layer_weights)`` on every layer."""
+    def mutate(o):
+        for layer in o.layers:
+            f(o, layer)
+    return mutate
+
+
 def _mutations(arch: str) -> dict:
-    def hp(**changes):
-        return lambda o: setattr(o, "hp", dataclasses.replace(o.hp, **changes))
+    hp = set_hp
 
     def drop(attr):
-        def f(o):
-            for layer in o.layers:
-                setattr(layer, attr, None)
-        return f
+        return each_layer(lambda o, layer: setattr(layer, attr, None))
 
     if arch == "llama":
         return {"rope NEOX instead of NORM": hp(rope_mode=ROPE_NEOX), "no K bias": drop("bk"),

@@ -44,8 +44,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_PROMPT, tokenize
+from conftest import TINY_PROMPT, tiny_model_fixture, tokenize
 from test_oracle import _fmt, _rel, _within, free_running_errors, layer_by_layer_errors
+from test_oracle import assert_kv_path_gives_the_cache, assert_kv_path_rows_are_independent, each_layer, set_hp
 import make_tiny_models as mtm
 import tiny_gpt_oss
 
@@ -97,21 +98,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # fixtures and helpers
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_gpt_oss.build_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss.gguf", seed=0)
-
-
-@pytest.fixture(scope="module")
-def variant(tmp_path_factory) -> Path:
-    return tiny_gpt_oss.build_gpt_oss(tmp_path_factory.mktemp("gpt-oss-v") / "tiny-gpt-oss-variant.gguf",
-                                      seed=1, **VARIANT)
-
-
-@pytest.fixture(scope="module")
-def linear_model(tmp_path_factory) -> Path:
-    return tiny_gpt_oss.build_gpt_oss(tmp_path_factory.mktemp("gpt-oss-l") / "tiny-gpt-oss-linear.gguf",
-                                      seed=2, **LINEAR)
+model = tiny_model_fixture(tiny_gpt_oss.build_gpt_oss, "tiny-gpt-oss", seed=0)
+variant = tiny_model_fixture(tiny_gpt_oss.build_gpt_oss, "tiny-gpt-oss-variant", seed=1, **VARIANT)
+linear_model = tiny_model_fixture(tiny_gpt_oss.build_gpt_oss, "tiny-gpt-oss-linear", seed=2, **LINEAR)
 
 
 def _oracle(path: Path, dtype: torch.dtype = torch.float64, **options) -> GptOssOracle:
@@ -352,16 +341,8 @@ def test_variant_models_match_llama_cpp(which, variant, linear_model, tokens):
 
 
 def test_kv_path_reproduces_the_cache_rows(oracle64, ref64):
-    positions = torch.arange(N_TOKENS)
-    for il in range(oracle64.n_layer):
-        k, v = oracle64.kv_path(il, ref64.layer_inputs[il], positions)
-        assert k.shape == v.shape == (N_TOKENS, 2, 16)
-        assert torch.equal(k, ref64.keys[il]) and torch.equal(v, ref64.values[il])
-    rows = torch.tensor([0, 17, 63, 99])
-    for il in (0, 5):
-        k, v = oracle64.kv_path(il, ref64.layer_inputs[il][rows], rows)
-        torch.testing.assert_close(k, ref64.keys[il][rows], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(v, ref64.values[il][rows], rtol=1e-12, atol=1e-12)
+    assert_kv_path_gives_the_cache(oracle64, ref64, (N_TOKENS, 2, 16))
+    assert_kv_path_rows_are_independent(oracle64, ref64, (0, 5))
     # the K/V path, written from the weights: attn_norm, projection + bias, RoPE on K only
     L = oracle64.layers[3]
     h = rms_norm(ref64.layer_inputs[3], L.attn_norm, oracle64.hp.rms_eps)
@@ -376,14 +357,7 @@ def test_kv_path_reproduces_the_cache_rows(oracle64, ref64):
 
 
 def _mutations(n_layer: int) -> dict:
-    def hp(**changes):
-        return lambda o: setattr(o, "hp", dataclasses.replace(o.hp, **changes))
-
-    def each_layer(f):
-        def g(o):
-            for layer in o.layers:
-                f(o, layer)
-        return g
+    hp = set_hp
 
     def setf(attr, fn):
         return each_layer(lambda o, L: setattr(L, attr, fn(o, getattr(L, attr))))

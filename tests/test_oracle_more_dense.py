@@ -60,6 +60,7 @@ import make_tiny_models as mtm
 import tiny_dense_more as tdm
 from conftest import TINY_PROMPT, tokenize
 from test_oracle import _fmt, _rel, _within, free_running_errors, layer_by_layer_errors
+from test_oracle import assert_kv_path_gives_the_cache, assert_kv_path_rows_are_independent
 
 from ridgefill_cpp.capture import capture_layer_inputs, open_model
 from ridgefill_cpp.gguf_model import read_metadata, read_tensors
@@ -298,15 +299,8 @@ def test_wrong_conventions_are_detected(name, models, prompt_tokens, reference):
 def test_kv_path_reproduces_the_cache_rows(name, oracles, prompt_tokens):
     oracle = oracles[(name, 0)]
     out = oracle.forward(prompt_tokens)
-    positions = torch.arange(N_TOKENS)
-    for il in range(oracle.n_layer):
-        k, v = oracle.kv_path(il, out.layer_inputs[il], positions)
-        assert k.shape == v.shape == (N_TOKENS, oracle.n_head_kv, oracle.hp.head_dim)
-        assert torch.equal(k, out.keys[il]) and torch.equal(v, out.values[il])
-    rows = torch.tensor([0, 17, 63, 99])  # rows are independent of each other
-    k, v = oracle.kv_path(oracle.n_layer - 1, out.layer_inputs[-1][rows], rows)
-    torch.testing.assert_close(k, out.keys[-1][rows], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(v, out.values[-1][rows], rtol=1e-12, atol=1e-12)
+    assert_kv_path_gives_the_cache(oracle, out, (N_TOKENS, oracle.n_head_kv, oracle.hp.head_dim))
+    assert_kv_path_rows_are_independent(oracle, out, [oracle.n_layer - 1])  # rows are independent of each other
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -36,7 +36,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_PROMPT, tokenize
+from conftest import TINY_PROMPT, tiny_model_fixture, tokenize
+from test_oracle import assert_kv_path_rows_are_independent
 import make_tiny_models as mtm
 import tiny_qwen35
 
@@ -77,15 +78,8 @@ VARIANT = dict(rope_sections=(1, 1, 1, 1), recurrent_layers=(False, True, True, 
 # fixtures and helpers
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_qwen35.build_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35.gguf", seed=0)
-
-
-@pytest.fixture(scope="module")
-def variant(tmp_path_factory) -> Path:
-    return tiny_qwen35.build_qwen35(tmp_path_factory.mktemp("qwen35v") / "tiny-qwen35-variant.gguf",
-                                    seed=1, **VARIANT)
+model = tiny_model_fixture(tiny_qwen35.build_qwen35, "tiny-qwen35", seed=0)
+variant = tiny_model_fixture(tiny_qwen35.build_qwen35, "tiny-qwen35-variant", seed=1, **VARIANT)
 
 
 @pytest.fixture(scope="module")
@@ -353,11 +347,7 @@ def test_gdn_update_then_output_is_the_layer(oracle64, ref64):
 
 
 def test_kv_path_reproduces_the_cache_rows(oracle64, ref64):
-    for il in (2, 5):
-        rows = torch.tensor([0, 17, 63, 99])
-        k, v = oracle64.kv_path(il, ref64.layer_inputs[il][rows], rows)
-        torch.testing.assert_close(k, ref64.keys[il][rows], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(v, ref64.values[il][rows], rtol=1e-12, atol=1e-12)
+    assert_kv_path_rows_are_independent(oracle64, ref64, (2, 5))
     assert ref64.keys[0] is None and ref64.values[0] is None
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         oracle64.kv_path(0, ref64.layer_inputs[0], torch.arange(N_TOKENS))

@@ -42,8 +42,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_PROMPT, tokenize
+from conftest import tiny_model_fixture
+from test_oracle import assert_kv_path_rows_are_independent
 from test_oracle_qwen35 import _assert_close, _errors, _print, llama_recurrent_states
+from test_oracle_qwen35 import ref64, tokens  # noqa: F401  (fixtures: TINY_PROMPT's tokens, on this module's model and oracle64)
 import make_tiny_models as mtm
 import tiny_qwen35
 
@@ -70,8 +72,7 @@ TOL_FA = 1e-3
 #: probabilities by ≤ 2.2e-6: the float32 against the float64 oracle)
 MIN_MARGIN = 2e-5
 
-PROMPT = TINY_PROMPT
-N_TOKENS = 100
+N_TOKENS = 100  # as many as the tokens fixture (test_oracle_qwen35's) has
 SPLITS = [(100, 16), (37, 8), (10, 3), (1, 1)]
 REC = [0, 1, 3, 4]
 
@@ -85,24 +86,12 @@ TOP1 = dict(n_expert=3, n_expert_used=1)
 # fixtures and helpers
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_qwen35.build_qwen35moe(tmp_path_factory.mktemp("qwen35moe") / "tiny-qwen35moe.gguf", seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokens(model) -> list[int]:
-    return tokenize(model, PROMPT, N_TOKENS)
+model = tiny_model_fixture(tiny_qwen35.build_qwen35moe, "tiny-qwen35moe", seed=0)
 
 
 @pytest.fixture(scope="module")
 def oracle64(model) -> Qwen35MoeOracle:
     return Qwen35MoeOracle(model, torch.float64)
-
-
-@pytest.fixture(scope="module")
-def ref64(oracle64, tokens):
-    return oracle64.forward(tokens)
 
 
 def _record_routing(oracle: Qwen35MoeOracle) -> dict[int, list[tuple[torch.Tensor, Routing]]]:
@@ -352,11 +341,7 @@ def test_dispatch_and_refusals(model, tmp_path):
 
 
 def test_kv_path_and_ffn_block_are_the_layer(oracle64, ref64):
-    for il in (2, 5):
-        rows = torch.tensor([0, 17, 63, 99])
-        k, v = oracle64.kv_path(il, ref64.layer_inputs[il][rows], rows)
-        torch.testing.assert_close(k, ref64.keys[il][rows], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(v, ref64.values[il][rows], rtol=1e-12, atol=1e-12)
+    assert_kv_path_rows_are_independent(oracle64, ref64, (2, 5))
     # the FFN of a row does not depend on the other rows (routing is per row)
     il, x = 3, ref64.layer_inputs[3]
     upd = oracle64.gdn_update(il, x, keep_row_states=True)
