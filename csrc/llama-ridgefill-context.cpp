@@ -345,7 +345,8 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
         return -1;
     }
 
-    plan = {};
+    plan   = {};
+    timing = {}; // what a plan dropped before its late phase counts for no other
     plan.active  = true;
     plan.seq_id  = seq_id;
     plan.pos0    = pos0;

@@ -175,6 +175,7 @@ struct llama_ridgefill_context {
         int64_t alloc_us    = 0;
         int64_t inputs_us   = 0;
         int64_t compute_us  = 0;
+        int64_t wait_us     = 0;
     } timing;
 
     // hybrid models: record each late recurrent layer's state after the last prefix row (before any

@@ -315,17 +315,19 @@ std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, 
     }
     // wait only for results read back here; otherwise the next graph is built while this one runs,
     // as llama_context::decode does with its ubatches
+    const int64_t t4 = ggml_time_us();
     const bool record = recurrent && lg.c1 == ps.n_prefix && record_boundary;
     if (cur.v_scale || cur.k_scale || record || !lg.out_idx.empty()) {
         ggml_backend_sched_synchronize(sched);
     }
-    const int64_t t4 = ggml_time_us();
+    const int64_t t5 = ggml_time_us();
     timing.n_graphs++;
     timing.n_nodes    += ggml_graph_n_nodes(gf);
     timing.build_us   += t1 - t0;
     timing.alloc_us   += t2 - t1;
     timing.inputs_us  += t3 - t2;
     timing.compute_us += t4 - t3;
+    timing.wait_us    += t5 - t4;
 
     // what the graph measured: the value and key scales, the state at the end of the prefix, the logits
     const size_t n_head_kv_max = last_v_scales.size()/(n_layer - params.split_layer);
@@ -497,14 +499,27 @@ int llama_ridgefill_context::finish() {
     stats.n_probe      = n_probe;
     stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
 
+    // RidgeFill graphs are never reused (llm_graph_params::allow_reuse), early or late
+    stats.n_early_built  = timing.n_early;
+    stats.n_early_reused = 0;
+    stats.n_late_built   = timing.n_graphs;
+    stats.n_late_reused  = 0;
+    stats.t_early_ms     = timing.early_us/1000.0;
+    stats.t_build_ms     = timing.build_us/1000.0;
+    stats.t_alloc_ms     = timing.alloc_us/1000.0;
+    stats.t_set_input_ms = timing.inputs_us/1000.0;
+    stats.t_compute_ms   = timing.compute_us/1000.0;
+    stats.t_wait_ms      = timing.wait_us/1000.0;
+    stats.t_other_ms     = stats.t_late_ms - (stats.t_build_ms + stats.t_alloc_ms + stats.t_set_input_ms +
+                                              stats.t_compute_ms + stats.t_wait_ms);
+
     // LLAMA_RIDGEFILL_TIMING=1: where the time of this prompt went
     if (const char * env = getenv("LLAMA_RIDGEFILL_TIMING"); env && atoi(env) > 0) {
         LLAMA_LOG_INFO("%s: RidgeFill timing: early phase %d ubatches %.1f ms (graph + launch, compute may be async); "
                 "late phase %.1f ms: %d graphs (%lld nodes), build %.1f ms, alloc %.1f ms, inputs %.1f ms, "
-                "compute %.1f ms, other %.1f ms\n", __func__, timing.n_early, timing.early_us/1000.0, stats.t_late_ms,
-                timing.n_graphs, (long long) timing.n_nodes, timing.build_us/1000.0, timing.alloc_us/1000.0,
-                timing.inputs_us/1000.0, timing.compute_us/1000.0,
-                stats.t_late_ms - (timing.build_us + timing.alloc_us + timing.inputs_us + timing.compute_us)/1000.0);
+                "compute %.1f ms, wait %.1f ms, other %.1f ms\n", __func__, stats.n_early_built, stats.t_early_ms,
+                stats.t_late_ms, stats.n_late_built, (long long) timing.n_nodes, stats.t_build_ms, stats.t_alloc_ms,
+                stats.t_set_input_ms, stats.t_compute_ms, stats.t_wait_ms, stats.t_other_ms);
     }
     timing = {};
     return 0;

@@ -194,6 +194,24 @@ extern "C" {
         float     ceiling;       // 1/r, r = S/L + (1 - S/L)(T + |E| + probe rows)/N
         int32_t   n_probe;       // rows of the probe pass (selector probe: T), 0 otherwise
         double    t_late_ms;     // the late phase (selection, fill, exact rows)
+
+        // the graphs of the plan: early phase (the ubatches of its rows; built anew, or reused as
+        // llama.cpp reuses a previous ubatch's graph) and late phase
+        int32_t   n_early_built;
+        int32_t   n_early_reused;
+        int32_t   n_late_built;
+        int32_t   n_late_reused;
+        // where the plan's time went (ms): the early phase (its ubatches: graph, inputs, launch and,
+        // where the backend computes synchronously, compute); within the late phase its graphs' build,
+        // alloc, set_input, compute (launch, and compute where synchronous) and wait (for results read
+        // back); other = t_late_ms minus those five (selection, cells, memory contexts, read-backs)
+        double    t_early_ms;
+        double    t_build_ms;
+        double    t_alloc_ms;
+        double    t_set_input_ms;
+        double    t_compute_ms;
+        double    t_wait_ms;
+        double    t_other_ms;
     };
 
     // statistics of the last finished plan; returns 0, or -1 without RidgeFill attached

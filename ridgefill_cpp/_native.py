@@ -231,6 +231,17 @@ class llama_ridgefill_stats(ctypes.Structure):
         ("ceiling", ctypes.c_float),
         ("n_probe", ctypes.c_int32),
         ("t_late_ms", ctypes.c_double),
+        ("n_early_built", ctypes.c_int32),
+        ("n_early_reused", ctypes.c_int32),
+        ("n_late_built", ctypes.c_int32),
+        ("n_late_reused", ctypes.c_int32),
+        ("t_early_ms", ctypes.c_double),
+        ("t_build_ms", ctypes.c_double),
+        ("t_alloc_ms", ctypes.c_double),
+        ("t_set_input_ms", ctypes.c_double),
+        ("t_compute_ms", ctypes.c_double),
+        ("t_wait_ms", ctypes.c_double),
+        ("t_other_ms", ctypes.c_double),
     ]
 
 

@@ -378,6 +378,11 @@ class Llama(llama_cpp.Llama):
             "ceiling": float(s.ceiling),
             "late_ms": float(s.t_late_ms),
             "prefill_ms": prefill_ms,
+            "graphs": {"early_built": s.n_early_built, "early_reused": s.n_early_reused,
+                       "late_built": s.n_late_built, "late_reused": s.n_late_reused},
+            "times_ms": {"early": s.t_early_ms, "late": float(s.t_late_ms), "build": s.t_build_ms,
+                         "alloc": s.t_alloc_ms, "set_input": s.t_set_input_ms, "compute": s.t_compute_ms,
+                         "wait": s.t_wait_ms, "other": s.t_other_ms},
             **self.ridgefill_memory(),
         }
         return {key: stats[key] for key in settings.STATS}  # the documented keys, in their order

@@ -118,6 +118,9 @@ STATS: Mapping[str, str] = {
     "ceiling": "the plan's compute ceiling 1/r",
     "late_ms": "time in the late layers (ms)",
     "prefill_ms": "time of the whole prefill (ms)",
+    "graphs": "graphs of the plan: {early_built, early_reused, late_built, late_reused}",
+    "times_ms": "where its time went (ms): {early, late, build, alloc, set_input, compute, wait, other}; the last six"
+                " split the late phase",
     "maps_bytes": "bytes of the maps (0: identity fill)",
     "maps_placement": "'resident' or 'host'",
     "maps_buffers": "the ggml buffer types holding the maps",

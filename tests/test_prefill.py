@@ -238,6 +238,34 @@ def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, pro
         llm.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe"])
+def test_plan_accounting_counts_every_graph_and_millisecond(arch, tiny_models, oracles, prompt, map_files):
+    """ridgefill_stats' graphs and times_ms: one early graph per ubatch of the prompt's decode calls,
+    ceil(|X| / n_ubatch) late graphs per late layer (X: the exact rows), none reused (RidgeFill graphs
+    never are), and the late phase split into its parts with `other` the rest of it."""
+    o = oracles[arch]
+    S, L = _split(arch, o), o.n_layer
+    n_batch, n_ubatch = 64, 32
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, min_prompt=0),
+                **ctx_kwargs(n_batch=n_batch, n_ubatch=n_ubatch))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        calls = [64, 64, 32]  # Llama.eval's decode calls of the 160 rows: n_batch, the last one shorter
+        assert sum(calls) == N_TOKENS
+        n_x = st["tail"] + st["n_exact"]
+        assert st["graphs"] == {"early_built": sum(math.ceil(c / n_ubatch) for c in calls), "early_reused": 0,
+                                "late_built": (L - S) * math.ceil(n_x / n_ubatch), "late_reused": 0}
+        t = st["times_ms"]
+        assert set(t) == {"early", "late", "build", "alloc", "set_input", "compute", "wait", "other"}
+        assert all(v >= 0 for v in t.values()), t
+        parts = t["build"] + t["alloc"] + t["set_input"] + t["compute"] + t["wait"] + t["other"]
+        assert parts == pytest.approx(t["late"], abs=1e-6) and t["late"] == st["late_ms"]
+        assert t["early"] + t["late"] <= st["prefill_ms"]
+    finally:
+        llm.close()
+
+
 def _fused_with_separate_biases(tmp_path) -> tuple[Path, Path]:
     """Two tiny qwen2 models with the same weights: separate Q/K/V projections and biases, and one
     fused attn_qkv weight with the separate attn_q/k/v biases (a layout llama.cpp's build_qkv

@@ -149,6 +149,9 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     assert st["ceiling"] == pytest.approx(1 / r, rel=1e-5)
     assert 0 < st["late_ms"] <= st["prefill_ms"]
     assert st["prefill_ms"] == pytest.approx(res["timings"]["prompt_ms"], rel=0.05)
+    # the plan's accounting, as Llama.ridgefill_stats has it
+    assert set(st["graphs"]) == set(lib[2]["graphs"]) and st["graphs"]["late_built"] == lib[2]["graphs"]["late_built"] > 0
+    assert set(st["times_ms"]) == set(lib[2]["times_ms"]) and st["times_ms"]["late"] == st["late_ms"]
     # GET /props tells clients the server's settings
     props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
     assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "min_prompt": 64}

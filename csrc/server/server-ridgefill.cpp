@@ -278,4 +278,22 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     stats["ceiling"]        = st.ceiling;
     stats["late_ms"]        = st.t_late_ms;
     stats["prefill_ms"]     = t_prompt_ms;
+
+    common_json graphs;
+    graphs["early_built"]  = st.n_early_built;
+    graphs["early_reused"] = st.n_early_reused;
+    graphs["late_built"]   = st.n_late_built;
+    graphs["late_reused"]  = st.n_late_reused;
+    stats["graphs"] = graphs;
+
+    common_json times;
+    times["early"]     = st.t_early_ms;
+    times["late"]      = st.t_late_ms;
+    times["build"]     = st.t_build_ms;
+    times["alloc"]     = st.t_alloc_ms;
+    times["set_input"] = st.t_set_input_ms;
+    times["compute"]   = st.t_compute_ms;
+    times["wait"]      = st.t_wait_ms;
+    times["other"]     = st.t_other_ms;
+    stats["times_ms"] = times;
 }
