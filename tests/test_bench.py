@@ -154,6 +154,31 @@ def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
     assert "boundary state" in run.stdout
 
 
+def test_plan_accounting_and_arch_bench_tools_run(tmp_path):
+    """tools/plan_accounting.py (docs/overhead-cpu) and tools/bench_archs.py (docs/archs-cpu) run end to
+    end on short prompts: the accounting's graph counts follow the plan (one early graph per ubatch;
+    a dense model's late graphs (L - S) x ceil(|X| / n_ubatch)), the bench reports every arch it ran."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    out = tmp_path / "acct.json"
+    run = subprocess.run([sys.executable, str(tools / "plan_accounting.py"), "--shape", "small", "--lengths", "700",
+                          "--threads", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["graphs"]["early_built"] == 2 and row["graphs"]["early_reused"] == 0  # 700 rows, ubatches of 512
+    assert row["graphs"]["late_built"] > 0 and row["times_ms"]["late"] > 0
+    out = tmp_path / "archs.json"
+    run = subprocess.run([sys.executable, str(tools / "bench_archs.py"), "--arch", "qwen2", "--lengths", "300",
+                          "--repeats", "1", "--threads", "1", "--json", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (res,) = json.loads(out.read_text())
+    assert res["arch"] == "qwen2" and res["rows"][0]["n"] == 300 and res["rows"][0]["speedup"] > 0
+
+
 def test_bench_checks_the_maps_against_the_model_as_eval_does(cli, tiny_models, tmp_path, monkeypatch):
     """Maps of another model (30 layers, like SmolLM2's) or another checkpoint: bench says the maps do
     not fit, in eval's words, before it loads anything."""
