@@ -11,6 +11,7 @@
 
 #include "ggml-cpp.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,6 +22,7 @@ struct llama_model;
 struct llama_batch;
 struct llama_ubatch;
 class  llm_graph_result;
+struct llama_ridgefill_caches;
 
 // the prompt being prefilled with RidgeFill: rows [pos0, pos_end) of one sequence
 struct llama_ridgefill_plan {
@@ -113,7 +115,9 @@ struct llama_ridgefill_context {
 
     // run every graph of a pass; "" on success, else what failed
     std::string run_pass(const llama_ridgefill_pass & ps);
-    std::string run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg, int32_t rs_cell);
+    // rs_cell: the sequence's recurrent cell (hybrid models; caches: the context's, run_pass's)
+    std::string run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg,
+            const llama_ridgefill_caches & caches, int32_t rs_cell);
 
     // the probe selector (docs/design.md §5): a pass with every prefix row filled whose tail scores the
     // prefix, then the pass with the selected rows exact. is_exact, exact, n_probe: the outcome

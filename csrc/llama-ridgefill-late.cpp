@@ -272,7 +272,7 @@ std::string llama_ridgefill_context::run_pass(const llama_ridgefill_pass & ps) {
     for (int32_t il = params.split_layer; il < n_layer; ++il) {
         for (const auto & [c0, c1] : late_chunks(ps, il)) {
             late_graph(ps, il, c0, c1, lg);
-            std::string err = run_graph(ps, lg, rs_cell);
+            std::string err = run_graph(ps, lg, caches, rs_cell);
             if (!err.empty()) {
                 return err;
             }
@@ -281,8 +281,8 @@ std::string llama_ridgefill_context::run_pass(const llama_ridgefill_pass & ps) {
     return "";
 }
 
-std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg, int32_t rs_cell) {
-    const llama_ridgefill_caches caches(lctx.get_memory());
+std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, llama_ridgefill_late_graph & lg,
+        const llama_ridgefill_caches & caches, int32_t rs_cell) {
     ggml_backend_sched_t sched = lctx.get_sched();
 
     const int32_t il        = lg.il;
