@@ -52,10 +52,12 @@ def copy_gguf(
     dequantize: bool = False,
     metadata: dict[str, Any] | None = None,
     per_layer_arrays: int | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Copy ``src`` to ``dst``: the tensors ``keep`` accepts (dequantized to F32 if asked), all
     metadata with ``metadata`` overriding values of existing keys, and, with ``per_layer_arrays``
-    = n, arrays of per-layer values (length = the source's block count) cut to their first n."""
+    = n, arrays of per-layer values (length = the source's block count) cut to their first n;
+    ``extra_tensors`` (name -> array) are added after the source's."""
     import gguf
     from gguf.quants import dequantize as dequant
 
@@ -90,6 +92,8 @@ def copy_gguf(
                 writer.add_tensor(t.name, np.ascontiguousarray(dequant(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
             else:
                 writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # rows of raw blocks
+        for name, data in (extra_tensors or {}).items():
+            writer.add_tensor(name, data)
     return dst
 
 

@@ -272,26 +272,16 @@ def _fused_with_separate_biases(tmp_path) -> tuple[Path, Path]:
     accepts: it adds the concatenated biases to the fused product)."""
     import gguf
 
-    from ridgefill_cpp.gguf_copy import atomic_gguf_writer
+    from ridgefill_cpp.gguf_copy import copy_gguf
 
     separate = mtm.make_tiny_model("qwen2", tmp_path / "separate.gguf", seed=3, qkv_bias=True)
     fused = mtm.make_tiny_model("qwen2", tmp_path / "fused.gguf", seed=3, qkv_bias=True, fused_qkv=True)
     biases = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(separate).tensors if t.name.endswith("_q.bias")
               or t.name.endswith("_k.bias") or t.name.endswith("_v.bias")}
     assert biases
-    reader = gguf.GGUFReader(fused)
     out = tmp_path / "fused-separate-biases.gguf"
-    with atomic_gguf_writer(out, "qwen2") as w:
-        for name, fld in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture":
-                continue
-            sub = fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(name, fld.contents(), fld.types[0], sub_type=sub)
-        for t in reader.tensors:
-            if not t.name.endswith("attn_qkv.bias"):  # the same values as the three separate biases
-                w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
-        for name, data in biases.items():
-            w.add_tensor(name, data)
+    # the fused bias has the same values as the three separate ones
+    copy_gguf(fused, out, keep=lambda name: not name.endswith("attn_qkv.bias"), extra_tensors=biases)
     return separate, out
 
 
