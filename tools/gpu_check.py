@@ -130,23 +130,25 @@ def agreement(tmp: pathlib.Path, n_gpu_layers: int) -> dict:
     return out
 
 
+def speed_shape_model(shape: str, path: pathlib.Path, **overrides) -> tuple[pathlib.Path, dict]:
+    """The synthetic model of a speed shape (seed 0) at `path`, and its tiny-model options (`overrides`
+    on top of the shape's; the architecture is the shape's ``arch``, qwen35 by default)."""
+    import make_tiny_models as mtm
+
+    cfg = {**SPEED_SHAPES[shape], **overrides}
+    arch = cfg.pop("arch", "qwen35")
+    return mtm.make_tiny_model(arch, path, seed=0, **cfg), cfg
+
+
 def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int, fit_tokens: int, shape: str,
           flash_attn: bool) -> dict:
-    import tiny_qwen35
     from ridgefill_cpp import Llama, RidgeFill, corpus
     from ridgefill_cpp.bench import alternated_ttft, kl_divergence, prompt_tokens, warm_up
     from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
     from ridgefill_cpp.mapfile import write_map_file
 
     t0 = time.perf_counter()
-    cfg = dict(SPEED_SHAPES[shape])
-    arch = cfg.pop("arch", "qwen35")
-    if arch == "qwen35":
-        model = tiny_qwen35.build_qwen35(tmp / f"{shape}.gguf", seed=0, **cfg)
-    else:
-        import make_tiny_models as mtm
-
-        model = mtm.make_tiny_model(arch, tmp / f"{shape}.gguf", seed=0, **cfg)
+    model, cfg = speed_shape_model(shape, tmp / f"{shape}.gguf")
     out = {"shape": shape, "config": SPEED_SHAPES[shape], "build_s": time.perf_counter() - t0, "flash_attn": flash_attn,
            "rows": []}
     if fit_tokens > 0:

@@ -20,20 +20,15 @@ sys.path.insert(0, str(HERE))
 
 
 def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> list[dict]:
-    import make_tiny_models as mtm
-    import tiny_qwen35
-    from gpu_check import SPEED_SHAPES
+    from gpu_check import SPEED_SHAPES, speed_shape_model
     from ridgefill_cpp import Llama, RidgeFill
-    from ridgefill_cpp.bench import prompt_tokens
+    from ridgefill_cpp.bench import prompt_tokens, warm_up
 
-    cfg = dict(SPEED_SHAPES[shape])
-    arch = cfg.pop("arch", "qwen35")
-    cfg["n_ctx"] = max(cfg.get("n_ctx", 0), max(lengths) + 16)
+    n_ctx = max(SPEED_SHAPES[shape].get("n_ctx", 0), max(lengths) + 16)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ridgefill-accounting-") as d:
-        path = pathlib.Path(d) / f"{shape}.gguf"
-        model = (tiny_qwen35.build_qwen35(path, seed=0, **cfg) if arch == "qwen35"
-                 else mtm.make_tiny_model(arch, path, seed=0, **cfg))
+        model, cfg = speed_shape_model(shape, pathlib.Path(d) / f"{shape}.gguf", n_ctx=n_ctx)
+        arch = SPEED_SHAPES[shape].get("arch", "qwen35")
         L = cfg["n_layer"]
         split = L - L // 3
         llm = Llama(str(model), ridgefill=RidgeFill.identity(split, min_prompt=0), n_ctx=max(lengths) + 16,
@@ -41,7 +36,7 @@ def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> 
                     verbose=False)
         try:
             prompt = prompt_tokens(llm, max(lengths))
-            llm.eval(prompt[:600])  # warm-up
+            warm_up([llm], prompt[:600])
             for n in lengths:
                 llm.reset()
                 t = time.perf_counter()
