@@ -258,6 +258,7 @@ bool llama_ridgefill_context::check_batch(const llama_batch & batch) {
 void llama_ridgefill_context::set_ubatch(const llama_ubatch & ubatch) {
     graph_active = false;
     timing.t_ubatch_us = ggml_time_us();
+    timing.n_reused0   = llama_perf_context(&lctx).n_reused;
     if (!plan.active || ubatch.n_tokens == 0 || ubatch.seq_id[0][0] != plan.seq_id) {
         return; // check_batch: a ubatch holds planned rows only, or none
     }
@@ -280,7 +281,12 @@ void llama_ridgefill_context::set_ubatch(const llama_ubatch & ubatch) {
 void llama_ridgefill_context::set_ubatch_done() {
     if (graph_active) {
         timing.early_us += ggml_time_us() - timing.t_ubatch_us;
-        timing.n_early++;
+        // the ubatch's graph was built, or the previous one reused (llama_context counts reuses)
+        if (llama_perf_context(&lctx).n_reused > timing.n_reused0) {
+            timing.n_early_reused++;
+        } else {
+            timing.n_early++;
+        }
     }
     graph_active = false;
 }

@@ -75,6 +75,8 @@ struct llama_ridgefill_context {
 
     // the RidgeFill part of the graph being built (nullptr: stock)
     const llama_ridgefill_graph * graph() const { return graph_active ? &cur : nullptr; }
+    // its reuse key (llama_ridgefill_graph::reuse_key; 0: stock)
+    int32_t graph_reuse_key() const { return graph_active ? cur.reuse_key() : 0; }
 
     // end of a decode call: logits asked for planned rows before the last are NaN (only the last
     // prompt row has logits); the call that brought the last row runs the late phase. 0, or the
@@ -103,15 +105,20 @@ struct llama_ridgefill_context {
     llama_ridgefill_pass make_pass(llama_seq_id seq_id, llama_pos pos0, std::vector<int64_t> cells,
             std::vector<int64_t> cells_swa, const std::vector<char> & is_exact, int32_t T) const;
 
+    // the runs of late layers that share their graphs, for a pass with n_x exact rows, n_f filled rows
+    // (fills: the pass fills the attention layers) and the fill steps of fill_chunk
+    std::vector<llama_ridgefill_segment> late_segments(int32_t n_x, int32_t n_f, bool fills) const;
+
     // the graphs of late layer il in a pass: row ranges [c0, c1) of the rows the layer runs
     std::vector<std::pair<int32_t, int32_t>> late_chunks(const llama_ridgefill_pass & ps, int32_t il) const;
 
-    // the one builder of late-phase graphs: layer il on rows [c0, c1) of a pass
-    void late_graph(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, int32_t c1, llama_ridgefill_late_graph & lg) const;
+    // the one builder of late-phase graphs: layers [il, il_end) on rows [c0, c1) of a pass
+    void late_graph(const llama_ridgefill_pass & ps, int32_t il, int32_t il_end, int32_t c0, int32_t c1,
+            llama_ridgefill_late_graph & lg) const;
     void late_rows_recurrent(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, const std::vector<int32_t> & rows,
             llama_ridgefill_graph & g) const;
-    void late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, const std::vector<int32_t> & rows,
-            llama_ridgefill_graph & g) const;
+    void late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t il_end, int32_t c0,
+            const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const;
 
     // run every graph of a pass; "" on success, else what failed
     std::string run_pass(const llama_ridgefill_pass & ps);
@@ -132,6 +139,8 @@ struct llama_ridgefill_context {
     // filled rows per fill step for n_f filled rows: n_ubatch (or params.n_fill_chunk), larger when
     // the steps would not fit the graph's node budget
     int32_t fill_chunk(int32_t n_f) const;
+    // the fill steps one graph may hold (the graph's node budget)
+    int32_t fill_steps_max() const;
 
     // build a graph of cur into res_late, n_outputs outputs; nullptr on failure
     ggml_cgraph * build_graph(const llama_ubatch & ub, const llama_memory_context_i * mctx, uint32_t n_outputs);
@@ -172,7 +181,9 @@ struct llama_ridgefill_context {
     struct {
         int64_t t_ubatch_us = 0;
         int64_t early_us    = 0;
-        int32_t n_early     = 0;
+        int32_t n_reused0   = 0; // llama_context's count of reused graphs before the ubatch
+        int32_t n_early     = 0; // early-phase graphs built
+        int32_t n_early_reused = 0;
         int32_t n_graphs    = 0;
         int64_t n_nodes     = 0;
         int64_t build_us    = 0;

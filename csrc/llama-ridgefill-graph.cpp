@@ -13,8 +13,9 @@
 #include <limits>
 
 
-// the index tensors of a RidgeFill graph; their data is known when the graph is built (RidgeFill
-// graphs are never reused), set_input copies it
+// the index tensors of a RidgeFill graph. Each one is filled from a vector of the graph's RidgeFill
+// part, read when the inputs are set, not when the graph is built: an early-phase graph is reused for
+// the next ubatch of the same shape (llama_ridgefill_graph::reuse_key), whose rows differ
 class llm_graph_input_ridgefill : public llm_graph_input_i {
 public:
     explicit llm_graph_input_ridgefill(const llama_ridgefill_graph & rf) : rf(rf) {}
@@ -22,19 +23,39 @@ public:
 
     void set_input(const llama_ubatch * ubatch) override {
         GGML_UNUSED(ubatch);
-        for (const auto & [t, data, nbytes] : sets) {
-            if (t->buffer) { // an input no node used is not allocated
-                ggml_backend_tensor_set(t, data, 0, nbytes);
+        for (const auto & s : sets) {
+            if (s.t->buffer) { // an input no node used is not allocated
+                GGML_ASSERT(s.size() == ggml_nbytes(s.t));
+                ggml_backend_tensor_set(s.t, s.data(), 0, ggml_nbytes(s.t));
             }
         }
     }
 
-    // a new input tensor of n elements, filled from data (which outlives the graph)
-    ggml_tensor * add(ggml_context * ctx0, ggml_type type, int64_t n, const void * data, const char * name) {
-        ggml_tensor * t = ggml_new_tensor_1d(ctx0, type, n);
+    // the graph is reused only for graphs of the same RidgeFill kind (llm_graph_params::allow_reuse
+    // compares their keys); their index vectors must still have the sizes of the tensors
+    bool can_reuse(const llm_graph_params & params) override {
+        if (params.ridgefill != &rf || rf.reuse_key() < 0) {
+            return false;
+        }
+        for (const auto & s : sets) {
+            if (s.size() != ggml_nbytes(s.t)) {
+                return false;
+            }
+        }
+        return true;
+    }
+
+    // a new input tensor filled from v (a vector of the graph's RidgeFill part, or of data that
+    // outlives the graph's use), as it is when the inputs are set
+    template <typename T>
+    ggml_tensor * add(ggml_context * ctx0, ggml_type type, const std::vector<T> & v, const char * name) {
+        GGML_ASSERT(ggml_type_size(type) == sizeof(T));
+        ggml_tensor * t = ggml_new_tensor_1d(ctx0, type, (int64_t) v.size());
         ggml_set_input(t);
         ggml_set_name(t, name);
-        sets.push_back({ t, data, ggml_nbytes(t) });
+        sets.push_back({ t, &v, sizeof(T),
+                [](const void * p) { return (const void *) static_cast<const std::vector<T> *>(p)->data(); },
+                [](const void * p) { return static_cast<const std::vector<T> *>(p)->size(); } });
         return t;
     }
 
@@ -47,12 +68,26 @@ public:
     ggml_tensor * f_vidx      = nullptr; // transposed V: one index per element
     ggml_tensor * f_vidx_swa  = nullptr;
     ggml_tensor * x_ids       = nullptr; // recurrent late layer: the exact rows among the graph's rows
+    ggml_tensor * m_f_rows    = nullptr; // ... the xs rows of its filled rows
+    ggml_tensor * m_perm      = nullptr; // ... and each row's place among concat(filled, exact)
+    ggml_tensor * sel_ids     = nullptr; // the selector's query rows
+    ggml_tensor * r_src_rows  = nullptr; // the value-scale rows: in r_src, in the graph, in xs
+    ggml_tensor * r_ids       = nullptr;
+    ggml_tensor * r_rows      = nullptr;
+    ggml_tensor * rk_src_rows = nullptr; // the key-scale rows
+    ggml_tensor * rk_ids      = nullptr;
+    ggml_tensor * rk_rows     = nullptr;
 
 private:
     struct input_set {
         ggml_tensor * t;
-        const void  * data;
-        size_t        nbytes;
+        const void  * vec;                  // the std::vector<T> the tensor is filled from
+        size_t        esize;
+        const void * (*data_of)(const void *);
+        size_t       (*size_of)(const void *);
+
+        const void * data() const { return data_of(vec); }
+        size_t       size() const { return size_of(vec)*esize; }
     };
     std::vector<input_set> sets;
 };
@@ -75,7 +110,7 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
 
     if (!rf->gdn) {
         GGML_ASSERT(rf->src_rows.size() == g.ubatch.n_tokens);
-        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, rf->src_rows.size(), rf->src_rows.data(), "ridgefill_src_rows");
+        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, rf->src_rows, "ridgefill_src_rows");
 
         ggml_tensor * cur = ggml_get_rows(ctx0, rf->src, rows);
         g.cb(cur, "ridgefill_inp", -1);
@@ -90,18 +125,18 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
     ggml_tensor * x_f = nullptr;
     ggml_tensor * x_x = nullptr;
     if (n_f > 0) {
-        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, n_f, rf->m_f_rows.data(), "ridgefill_m_f_rows");
-        x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, rf->il_begin, ggml_get_rows(ctx0, rf->xs, rows),
+        inp->m_f_rows = inp->add(ctx0, GGML_TYPE_I32, rf->m_f_rows, "ridgefill_m_f_rows");
+        x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, rf->il_begin, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
                 llama_ridgefill_stage_a(ctx0, rf->maps, rf->il_begin));
     }
     if (n_x > 0) {
-        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, n_x, rf->src_rows.data(), "ridgefill_src_rows");
+        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, rf->src_rows, "ridgefill_src_rows");
         x_x = ggml_get_rows(ctx0, rf->src, rows);
     }
     ggml_tensor * cur = nullptr;
     if (x_f && x_x) {
-        ggml_tensor * perm = inp->add(ctx0, GGML_TYPE_I32, rf->m_perm.size(), rf->m_perm.data(), "ridgefill_m_perm");
-        cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), perm);
+        inp->m_perm = inp->add(ctx0, GGML_TYPE_I32, rf->m_perm, "ridgefill_m_perm");
+        cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
     } else {
         cur = x_f ? x_f : x_x; // one kind of row only: already in position order
     }
@@ -114,7 +149,7 @@ ggml_tensor * llama_ridgefill_build_out_ids(const llm_graph_context & g) {
     if (llama_ridgefill_stops_early(rf, g.n_layer) || rf->out_ids.empty()) {
         return nullptr; // no output: stops early, or a chunk of a recurrent last layer without exact rows
     }
-    return rf_inputs(g)->add(g.ctx0, GGML_TYPE_I32, rf->out_ids.size(), rf->out_ids.data(), "ridgefill_out_ids");
+    return rf_inputs(g)->add(g.ctx0, GGML_TYPE_I32, rf->out_ids, "ridgefill_out_ids");
 }
 
 // the exact rows among a recurrent late layer's rows (nullptr: every row is exact, or not such a graph)
@@ -125,18 +160,20 @@ static ggml_tensor * rf_gdn_x_ids(const llm_graph_context & g) {
     }
     auto * inp = rf_inputs(g);
     if (!inp->x_ids) {
-        inp->x_ids = inp->add(g.ctx0, GGML_TYPE_I32, rf->x_ids.size(), rf->x_ids.data(), "ridgefill_x_ids");
+        inp->x_ids = inp->add(g.ctx0, GGML_TYPE_I32, rf->x_ids, "ridgefill_x_ids");
     }
     return inp->x_ids;
 }
 
 ggml_tensor * llama_ridgefill_build_gdn_state(const llm_graph_context & g, ggml_tensor * s, int il) {
     const llama_ridgefill_graph * rf = g.rf;
-    if (rf == nullptr || !rf->gdn || rf->state_gain == nullptr || il != rf->il_begin) {
+    if (rf == nullptr || !rf->gdn || !rf->state_gain || rf->maps == nullptr || il >= (int) rf->maps->g.size() ||
+        rf->maps->g[il] == nullptr) {
         return s;
     }
-    GGML_ASSERT(rf->state_gain->ne[0] == s->ne[2]);
-    ggml_tensor * gain = ggml_reshape_4d(g.ctx0, rf->state_gain, 1, 1, s->ne[2], 1);
+    ggml_tensor * state_gain = rf->maps->g[il];
+    GGML_ASSERT(state_gain->ne[0] == s->ne[2]);
+    ggml_tensor * gain = ggml_reshape_4d(g.ctx0, state_gain, 1, 1, s->ne[2], 1);
     ggml_tensor * cur = ggml_mul(g.ctx0, s, gain);
     g.cb(cur, "ridgefill_state_corrected", il);
     return cur;
@@ -148,7 +185,7 @@ bool llama_ridgefill_build_gdn_readout(const llm_graph_context & g, int il, ggml
     if (rf == nullptr || !rf->gdn) {
         return true;
     }
-    GGML_ASSERT(il == rf->il_begin);
+    GGML_ASSERT(il >= rf->il_begin && il < rf->il_end);
     if (rf->x_ids.empty()) {
         return false;
     }
@@ -179,15 +216,49 @@ ggml_tensor * llama_ridgefill_build_gdn_rows(const llm_graph_context & g, ggml_t
     return ids ? ggml_get_rows(g.ctx0, x, ids) : x;
 }
 
-bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor * inpL) {
+// a recurrent late graph's layer after its first: x̂ of layer il for the filled rows joins the exact
+// rows' inputs (the outputs of the layer before), in position order
+static ggml_tensor * rf_build_gdn_merge(const llm_graph_context & g, int il, ggml_tensor * x_x) {
     const llama_ridgefill_graph * rf = g.rf;
+    if (rf->m_f_rows.empty()) {
+        return x_x; // every row is exact
+    }
+    GGML_ASSERT(x_x != nullptr && x_x->ne[1] == (int64_t) rf->x_ids.size());
+    ggml_context * ctx0 = g.ctx0;
+    auto * inp = rf_inputs(g);
+    if (!inp->m_f_rows) {
+        inp->m_f_rows = inp->add(ctx0, GGML_TYPE_I32, rf->m_f_rows, "ridgefill_m_f_rows");
+    }
+    if (!inp->m_perm) {
+        inp->m_perm = inp->add(ctx0, GGML_TYPE_I32, rf->m_perm, "ridgefill_m_perm");
+    }
+    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
+            llama_ridgefill_stage_a(ctx0, rf->maps, il));
+    ggml_tensor * cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
+    g.cb(cur, "ridgefill_inp", il);
+    return cur;
+}
+
+bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor *& inpL) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf == nullptr) {
+        return false;
+    }
+    if (llama_ridgefill_is_late(rf) && il > rf->il_begin && il < rf->il_end) {
+        if (rf->gdn) {
+            inpL = rf_build_gdn_merge(g, il, inpL);
+        }
+        rf->layer_inp = inpL; // the value scale of an attention layer reads its tail rows' inputs here
+        return false;
+    }
+    rf->layer_inp = nullptr;
     if (!llama_ridgefill_stops_early(rf, g.n_layer) || il != rf->il_end) {
         return false;
     }
     GGML_ASSERT(rf->dst && (int64_t) rf->dst_rows.size() == inpL->ne[1]);
 
     auto * inp = rf_inputs(g);
-    ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->dst_rows.size(), rf->dst_rows.data(), "ridgefill_dst_rows");
+    ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->dst_rows, "ridgefill_dst_rows");
 
     ggml_tensor * x = inpL->type == rf->dst->type ? inpL : ggml_cast(g.ctx0, inpL, rf->dst->type);
     ggml_build_forward_expand(g.gf, ggml_set_rows(g.ctx0, rf->dst, x, rows));
@@ -309,7 +380,10 @@ static void rf_build_selector(
     ggml_context * ctx0 = g.ctx0;
 
     auto * inp = rf_inputs(g);
-    ggml_tensor * ids = inp->add(ctx0, GGML_TYPE_I32, rf->sel_ids.size(), rf->sel_ids.data(), "ridgefill_sel_ids");
+    if (!inp->sel_ids) {
+        inp->sel_ids = inp->add(ctx0, GGML_TYPE_I32, rf->sel_ids, "ridgefill_sel_ids");
+    }
+    ggml_tensor * ids = inp->sel_ids;
 
     const int64_t n_sel = rf->sel_ids.size();
     const int64_t d_k   = q_cur->ne[0];
@@ -345,24 +419,35 @@ static void rf_build_selector(
 
 // per-KV-head scale of layer il, mean ||P(x_l)|| / mean ||P(x̂_l)|| over the scale rows, P the layer's
 // K path (key: after k-norm; RoPE rotates pairs of dimensions, norms unchanged) or V path: the exact
-// inputs are rows src_rows of r_src, the predictions come from rows `rows` of xs. [1, n_head_kv],
-// an output of the graph (read back for the statistics)
-static ggml_tensor * rf_build_head_scale(
-        const llm_graph_context & g,
-                            int   il,
-                    ggml_tensor * a,
-     const std::vector<int32_t> & src_rows,
-     const std::vector<int32_t> & rows,
-                           bool   key) {
+// inputs are rows src_rows of r_src at the graph's first layer, rows ids of the layer's input inside
+// the graph at a later one; the predictions come from rows `rows` of xs. [1, n_head_kv], an output
+// of the graph (read back for the statistics)
+static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, ggml_tensor * a, bool key) {
     const llama_ridgefill_graph * rf = g.rf;
     ggml_context * ctx0 = g.ctx0;
-    const char   * what = key ? "k" : "v";
 
     auto * inp = rf_inputs(g);
-    ggml_tensor * t_src  = inp->add(ctx0, GGML_TYPE_I32, src_rows.size(), src_rows.data(), format("ridgefill_%s_scale_src_rows", what).c_str());
-    ggml_tensor * t_rows = inp->add(ctx0, GGML_TYPE_I32, rows.size(),     rows.data(),     format("ridgefill_%s_scale_rows", what).c_str());
+    ggml_tensor *& t_src  = key ? inp->rk_src_rows : inp->r_src_rows;
+    ggml_tensor *& t_ids  = key ? inp->rk_ids      : inp->r_ids;
+    ggml_tensor *& t_rows = key ? inp->rk_rows     : inp->r_rows;
+    if (!t_rows) {
+        t_rows = inp->add(ctx0, GGML_TYPE_I32, key ? rf->rk_rows : rf->r_rows, key ? "ridgefill_k_scale_rows" : "ridgefill_v_scale_rows");
+    }
 
-    ggml_tensor * xe = ggml_get_rows(ctx0, rf->r_src, t_src);
+    ggml_tensor * xe = nullptr;
+    if (il == rf->il_begin) {
+        if (!t_src) {
+            t_src = inp->add(ctx0, GGML_TYPE_I32, key ? rf->rk_src_rows : rf->r_src_rows,
+                    key ? "ridgefill_k_scale_src_rows" : "ridgefill_v_scale_src_rows");
+        }
+        xe = ggml_get_rows(ctx0, rf->r_src, t_src);
+    } else {
+        GGML_ASSERT(rf->layer_inp != nullptr);
+        if (!t_ids) {
+            t_ids = inp->add(ctx0, GGML_TYPE_I32, key ? rf->rk_ids : rf->r_ids, key ? "ridgefill_k_scale_ids" : "ridgefill_v_scale_ids");
+        }
+        xe = ggml_get_rows(ctx0, rf->layer_inp, t_ids);
+    }
     ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, t_rows), a);
 
     ggml_tensor * pe = nullptr;
@@ -371,9 +456,10 @@ static ggml_tensor * rf_build_head_scale(
     rf_build_kv(g, il, xp, nullptr, key ? &pp : nullptr, key ? nullptr : &pp);
 
     ggml_tensor * scale = rf_safe_ratio(ctx0, rf_mean_head_norm(ctx0, pe), rf_mean_head_norm(ctx0, pp));
-    ggml_set_name(scale, key ? "ridgefill_k_scale" : "ridgefill_v_scale");
+    ggml_set_name(scale, format("ridgefill_%s_scale-%d", key ? "k" : "v", il).c_str());
     ggml_set_output(scale);
     ggml_build_forward_expand(g.gf, scale);
+    (key ? rf->k_scales : rf->v_scales).emplace_back(il, scale);
     return scale;
 }
 
@@ -399,15 +485,13 @@ static void rf_build_fill(
     //     layer's own V path (the one the cache stores, before any rotation: it keeps norms)
     ggml_tensor * scale = nullptr;
     if (!rf->r_rows.empty()) {
-        rf->v_scale = rf_build_head_scale(g, il, a, rf->r_src_rows, rf->r_rows, /*key =*/ false);
-        scale = ggml_reshape_3d(ctx0, rf->v_scale, 1, n_head_kv, 1);
+        scale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, a, /*key =*/ false), 1, n_head_kv, 1);
     }
 
     // (a') the key scale (issue #8), the same measurement on K (after k-norm; RoPE keeps norms)
     ggml_tensor * kscale = nullptr;
     if (!rf->rk_rows.empty()) {
-        rf->k_scale = rf_build_head_scale(g, il, a, rf->rk_src_rows, rf->rk_rows, /*key =*/ true);
-        kscale = ggml_reshape_3d(ctx0, rf->k_scale, 1, n_head_kv, 1);
+        kscale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, a, /*key =*/ true), 1, n_head_kv, 1);
     }
 
     // (b) the filled rows, in chunks
@@ -421,13 +505,13 @@ static void rf_build_fill(
     const int64_t n_pos = fill.pos.size()/n_f;
     GGML_ASSERT((int64_t) fill.pos.size() == n_pos*n_f);
     if (!inp->f_rows) {
-        inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, n_f, fill.rows.data(), "ridgefill_f_rows");
-        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, fill.pos.size(), fill.pos.data(), "ridgefill_f_pos");
+        inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, fill.rows, "ridgefill_f_rows");
+        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, fill.pos, "ridgefill_f_pos");
     }
     ggml_tensor *& cells = swa ? inp->f_cells_swa : inp->f_cells;
     if (!cells) {
         const auto & data = swa ? fill.cells_swa : fill.cells;
-        cells = inp->add(ctx0, GGML_TYPE_I64, n_f, data.data(), swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
+        cells = inp->add(ctx0, GGML_TYPE_I64, data, swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
     }
 
     // a transposed V cache (no flash attention) is written element by element
@@ -437,7 +521,7 @@ static void rf_build_fill(
         ggml_tensor *& vidx = swa ? inp->f_vidx_swa : inp->f_vidx;
         if (!vidx) {
             const auto & data = swa ? fill.vidx_swa : fill.vidx;
-            vidx = inp->add(ctx0, GGML_TYPE_I64, data.size(), data.data(), swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
+            vidx = inp->add(ctx0, GGML_TYPE_I64, data, swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
         }
     }
 
@@ -497,11 +581,11 @@ void llama_ridgefill_build_attn(
         return;
     }
     // the fill first: a probe pass scores the query rows' attention against the filled cells
-    if (il == rf->fill_layer) {
-        GGML_ASSERT(rf->fill != nullptr);
+    if (rf->fill != nullptr) {
         rf_build_fill(g, mctx, k_rot, v_rot, il);
     }
-    if (il == rf->sel_layer && !rf->sel_ids.empty()) {
+    const bool sel = il == rf->sel_layer || (rf->sel_late && llama_ridgefill_is_full_attention(g.hparams, il));
+    if (sel && !rf->sel_ids.empty()) {
         rf_build_selector(g, mctx, kq_mask, q_cur, sinks, kq_scale, il);
     }
 }

@@ -10,14 +10,19 @@
 //           runs layer l on the chunk, carrying the rows' states in `xx`. In the first chunk's graph,
 //           before the attention, the hook in build_attn measures the value scale on the tail rows
 //           and writes the filled rows' K/V (x̂ = A φ(x_S) + b → the layer's K/V path → V · s).
+//           When X fits one chunk, one graph runs several consecutive attention layers (each filled
+//           in turn, its value scale measured on the tail rows' inputs inside the graph).
 //           A recurrent (Gated DeltaNet) late layer instead runs every planned row in position order,
 //           in chunks: filled rows feed only the state update from x̂, exact rows run the whole layer;
 //           the first chunk of the tail may start from a corrected state (terminal-state correction).
+//           One graph per chunk runs a run of consecutive recurrent late layers: at each layer after
+//           the first, x̂ of the filled rows joins the exact rows' outputs of the layer before.
 #pragma once
 
 #include "llama-graph.h"
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 struct llama_model;
@@ -46,9 +51,10 @@ struct llama_ridgefill_fill {
 // llama_ridgefill_context, alive while the graph is built and its inputs are set.
 //
 //   early phase: layers [0, S) of a ubatch of planned rows; the input of layer S is stored in xs
-//   late phase:  layer l of a chunk of the exact rows: layers [l, l+1), input gathered from xs (l = S)
-//                or from the carried states xx, output stored into xx; the last layer ends with the
-//                logits of the chunk's last row. The first chunk of layer l also fills layer l.
+//   late phase:  layers [l0, l1) of a chunk of the exact rows (a recurrent layer: of every row), input
+//                gathered from xs (l0 = S) or from the carried states xx, output stored into xx; the
+//                last layer ends with the logits of the chunk's last row. The first chunk of an
+//                attention layer also fills it.
 struct llama_ridgefill_graph {
     const llama_model          * model = nullptr;
     const llama_ridgefill_maps * maps  = nullptr; // nullptr: identity fill (x̂ = x_S)
@@ -80,27 +86,40 @@ struct llama_ridgefill_graph {
     std::vector<int32_t> m_f_rows;
     std::vector<int32_t> m_perm;
     std::vector<int32_t> x_ids;
-    ggml_tensor * state_gain = nullptr; // [n_v_heads]: multiplies the layer's state before the rows (nullptr: none)
+    bool state_gain = false; // each layer's state is multiplied by its gain (maps->g) before the rows
 
     // attention selector (early phase) and probe pass (late phase): the query rows' attention at
-    // sel_layer is added to scores
+    // sel_layer (sel_late: at every full-attention layer of the graph) is added to scores
     int32_t       sel_layer = -1;   // -1: none in this graph
+    bool          sel_late  = false;
     ggml_tensor * scores = nullptr; // [n_cells] F32, persistent: selector score per cell
     std::vector<int32_t> sel_ids;   // ubatch rows among the selector's query rows
 
-    // fill (late phase): at layer fill_layer, the value scale then the filled rows' K/V
-    int32_t fill_layer = -1;                      // -1: none in this graph
-    const llama_ridgefill_fill * fill = nullptr;  // the filled rows of the pass (fill_layer >= 0)
+    // fill (late phase): at each attention layer of the graph, the value scale then the filled rows' K/V
+    const llama_ridgefill_fill * fill = nullptr;  // the filled rows of the pass (nullptr: no fill)
     ggml_tensor * r_src = nullptr;    // value-scale rows (the first min(c, T) tail rows): their exact
-    std::vector<int32_t> r_src_rows;  //   inputs of the layer (rows of r_src: xs at l = S, else xx)
-    std::vector<int32_t> r_rows;      //   and their xs rows; empty: no value scale
-    std::vector<int32_t> rk_src_rows; // key-scale rows, as r_src_rows / r_rows; empty: no key scale
+    std::vector<int32_t> r_src_rows;  //   inputs of layer il_begin (rows of r_src: xs at l = S, else xx),
+    std::vector<int32_t> r_ids;       //   their rows in the graph (the inputs of a later layer of the
+    std::vector<int32_t> r_rows;      //   graph) and their xs rows; empty: no value scale
+    std::vector<int32_t> rk_src_rows; // key-scale rows, as r_src_rows / r_ids / r_rows; empty: no key scale
+    std::vector<int32_t> rk_ids;
     std::vector<int32_t> rk_rows;
 
-    // set while the graph is built: its inputs, and the value-scale tensor to read back
+    // the graph reuse key (llm_graph_params::ridgefill_reuse): graphs of equal keys >= 0 have the same
+    // topology for ubatches of the same shape (llm_graph_params::allow_reuse checks those), so the
+    // scheduler's graph can be reused with new index data. Only early-phase graphs without selector
+    // rows are reusable (key: their split layer); any other RidgeFill graph has -1, stock graphs 0
+    int32_t reuse_key() const {
+        const bool early = il_begin == 0 && src == nullptr && fill == nullptr && !gdn;
+        return early && sel_ids.empty() && sel_layer < 0 && out_ids.empty() ? 1 + il_end : -1;
+    }
+
+    // set while the graph is built: its inputs, the input of the layer being built, and the value and
+    // key scales to read back, (layer, [1, n_head_kv])
     mutable llm_graph_input_ridgefill * inp = nullptr;
-    mutable ggml_tensor * v_scale = nullptr; // [1, n_head_kv]
-    mutable ggml_tensor * k_scale = nullptr; // [1, n_head_kv]
+    mutable ggml_tensor * layer_inp = nullptr;
+    mutable std::vector<std::pair<int32_t, ggml_tensor *>> v_scales;
+    mutable std::vector<std::pair<int32_t, ggml_tensor *>> k_scales;
 };
 
 // the first layer a builder runs
@@ -140,15 +159,20 @@ bool llama_ridgefill_build_gdn_readout(const llm_graph_context & g, int il, ggml
 // recurrent late layer: the exact rows of x ([n_embd, n_tokens], e.g. the residual); x otherwise
 ggml_tensor * llama_ridgefill_build_gdn_rows(const llm_graph_context & g, ggml_tensor * x);
 
-// at il == il_end < n_layer: store inpL (the rows' inputs of layer il) into dst and return true - the
-// builder then returns, so the graph has no later layers and no output; false otherwise
-bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor * inpL);
+// called at the start of each layer il the builder runs, inpL the rows' inputs of layer il:
+//   il == il_end < n_layer: store inpL into dst and return true - the builder then returns, so the
+//                           graph has no later layers and no output
+//   il_begin < il < il_end of a recurrent late graph: inpL (the exact rows' outputs of the layer
+//                           before) becomes every row's input, x̂ of layer il for the filled rows
+// false otherwise
+bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor *& inpL);
 
 // called by build_attn after the ubatch's own K/V are stored, before attention reads the cache:
-//   il == fill_layer: the value scale s_{l,h} from the value-scale rows, then the filled rows' K/V
-//                     written to their cells
-//   il == sel_layer:  add the selector query rows' attention probabilities (summed over heads and
-//                     rows) to `scores` (after the fill: the probe pass scores the filled cache)
+//   a filling late graph: the value scale s_{l,h} from the value-scale rows, then the filled rows'
+//                     K/V written to their cells
+//   il == sel_layer (a late graph with sel_late: every full-attention layer): add the selector query
+//                     rows' attention probabilities (summed over heads and rows) to `scores` (after
+//                     the fill: the probe pass scores the filled cache)
 // q_cur: [n_embd_head, n_head, n_tokens] as build_attn uses it (after rotation); sinks: the layer's
 // attention sinks [n_head] (gpt-oss; nullptr: none), in the selector's softmax as in the attention
 void llama_ridgefill_build_attn(

@@ -83,6 +83,33 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
     return ps;
 }
 
+std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int32_t n_x, int32_t n_f, bool fills) const {
+    const llama_hparams & hparams = model.hparams;
+    const int32_t n_ubatch = (int32_t) lctx.get_cparams().n_ubatch;
+
+    // consecutive attention layers share their graph when the exact rows fit one chunk (with several
+    // chunks, a later chunk's rows need the layer filled, and the fill needs the value scale of the
+    // tail, the last chunk) and their fill steps fit the graph's node budget together
+    int32_t n_att = 1;
+    if (n_x <= n_ubatch) {
+        const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : n_ubatch;
+        const int32_t n_steps = fills && n_f > 0 ? (n_f + n_chunk - 1)/n_chunk : 0;
+        n_att = n_steps > 0 ? std::max(1, fill_steps_max()/n_steps) : n_layer;
+    }
+    // consecutive recurrent layers always do: each chunk of rows runs them in turn
+    std::vector<llama_ridgefill_segment> segments;
+    for (int32_t l0 = params.split_layer; l0 < n_layer; ) {
+        const bool recurrent = hparams.is_recr(l0);
+        int32_t l1 = l0 + 1;
+        while (l1 < n_layer && hparams.is_recr(l1) == recurrent && (recurrent || l1 - l0 < n_att)) {
+            ++l1;
+        }
+        segments.push_back({ l0, l1 });
+        l0 = l1;
+    }
+    return segments;
+}
+
 std::vector<std::pair<int32_t, int32_t>> llama_ridgefill_context::late_chunks(const llama_ridgefill_pass & ps, int32_t il) const {
     // an attention layer runs the exact rows in chunks of n_ubatch, in position order (a chunk attends
     // to the rows of the chunks before it, already written); a recurrent layer every row in position
@@ -128,16 +155,13 @@ void llama_ridgefill_context::late_rows_recurrent(const llama_ridgefill_pass & p
         }
     }
     // the terminal-state correction: the tail's first chunk starts from the corrected state
-    if (c0 == ps.n_prefix && params.state_correction == LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN && maps &&
-        il < (int32_t) maps->g.size()) {
-        g.state_gain = maps->g[il];
-    }
+    g.state_gain = c0 == ps.n_prefix && params.state_correction == LLAMA_RIDGEFILL_STATE_CORRECTION_GAIN && maps;
 }
 
-// the rows of an attention late layer's graph, a chunk of the exact rows; the first chunk of a
-// filling pass also fills the layer, and a probe pass's query rows score the prefix
-void llama_ridgefill_context::late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t c0,
-        const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const {
+// the rows of an attention late graph, a chunk of the exact rows; the first chunk of a filling pass
+// also fills the graph's layers, and a probe pass's query rows score the prefix
+void llama_ridgefill_context::late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t il_end,
+        int32_t c0, const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const {
     const llama_hparams & hparams = model.hparams;
     const int32_t S   = params.split_layer;
     const int32_t n_x = ps.X.size();
@@ -149,45 +173,53 @@ void llama_ridgefill_context::late_rows_attention(const llama_ridgefill_pass & p
     }
     if (ps.fills && c0 == 0) {
         // the fill, after the value (and key) scale measured on the first tail rows: their exact
-        // inputs (xs at the split layer, else their carried states) against x̂ from their xs rows
-        g.fill_layer = il;
-        g.fill       = &ps.fill;
-        g.r_src      = g.src;
+        // inputs (xs at the split layer, else their carried states; at a later layer of the graph,
+        // their rows of its input) against x̂ from their xs rows
+        g.fill  = &ps.fill;
+        g.r_src = g.src;
         for (int32_t i = 0; i < std::min(params.n_rescale, ps.T); ++i) {
             g.r_src_rows.push_back(il == S ? ps.n_prefix + i : n_x - ps.T + i);
+            g.r_ids.push_back(n_x - ps.T + i);
             g.r_rows.push_back(ps.n_prefix + i);
         }
         for (int32_t i = 0; i < std::min(params.n_key_rescale, ps.T); ++i) {
             g.rk_src_rows.push_back(il == S ? ps.n_prefix + i : n_x - ps.T + i);
+            g.rk_ids.push_back(n_x - ps.T + i);
             g.rk_rows.push_back(ps.n_prefix + i);
         }
     }
-    // the probe's query rows: the last n_query rows of X
-    if (ps.n_query > 0 && llama_ridgefill_is_full_attention(hparams, il)) {
+    // the probe's query rows, the last n_query rows of X, at each full-attention layer of the graph
+    bool full = false;
+    for (int32_t l = il; l < il_end; ++l) {
+        full = full || llama_ridgefill_is_full_attention(hparams, l);
+    }
+    if (ps.n_query > 0 && full) {
         for (int32_t i = 0; i < nc; ++i) {
             if (c0 + i >= n_x - ps.n_query) {
                 g.sel_ids.push_back(i);
             }
         }
+        g.sel_late = true;
     }
 }
 
-void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, int32_t c1,
-        llama_ridgefill_late_graph & lg) const {
+void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_t il, int32_t il_end, int32_t c0,
+        int32_t c1, llama_ridgefill_late_graph & lg) const {
     const llama_hparams & hparams = model.hparams;
 
     const int32_t S          = params.split_layer;
     const int32_t nc         = c1 - c0;
-    const bool    last_layer = il == n_layer - 1;
+    const bool    last_layer = il_end == n_layer;
     const bool    recurrent  = hparams.is_recr(il);
     const bool    swa        = !ps.cells_swa.empty();
 
     // the graph's rows: the planned row of each ubatch row
     std::vector<int32_t>   rows(nc);
     std::vector<llama_pos> pos(nc);
-    lg.il = il;
-    lg.c0 = c0;
-    lg.c1 = c1;
+    lg.il     = il;
+    lg.il_end = il_end;
+    lg.c0     = c0;
+    lg.c1     = c1;
     lg.cells.resize(nc);
     lg.cells_swa.resize(swa ? nc : 0);
     for (int32_t i = 0; i < nc; ++i) {
@@ -204,7 +236,7 @@ void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_
     llama_ridgefill_graph & g = lg.rf;
     g = base_graph();
     g.il_begin = il;
-    g.il_end   = last_layer ? n_layer : il + 1;
+    g.il_end   = il_end;
     g.src      = il == S ? xs : xx;
     g.dst      = xx;
     g.gdn      = recurrent;
@@ -215,13 +247,12 @@ void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_
         late_rows_recurrent(ps, il, c0, rows, g);
         out_rows = g.x_ids;
     } else {
-        late_rows_attention(ps, il, c0, rows, g);
+        late_rows_attention(ps, il, il_end, c0, rows, g);
         out_rows.resize(nc);
         std::iota(out_rows.begin(), out_rows.end(), 0);
     }
     if (!g.sel_ids.empty()) {
-        g.sel_layer = il;
-        g.scores    = scores;
+        g.scores = scores;
     }
 
     // the last layer outputs the logits of the rows that asked for them (at least one row when the
@@ -268,13 +299,24 @@ std::string llama_ridgefill_context::run_pass(const llama_ridgefill_pass & ps) {
         return format("sequence %d has no recurrent state", ps.seq_id);
     }
 
+    const llama_hparams & hparams = model.hparams;
     llama_ridgefill_late_graph lg;
-    for (int32_t il = params.split_layer; il < n_layer; ++il) {
-        for (const auto & [c0, c1] : late_chunks(ps, il)) {
-            late_graph(ps, il, c0, c1, lg);
-            std::string err = run_graph(ps, lg, caches, rs_cell);
-            if (!err.empty()) {
-                return err;
+    for (const auto & sg : late_segments((int32_t) ps.X.size(), (int32_t) ps.fill.rows.size(), ps.fills)) {
+        for (const auto & [c0, c1] : late_chunks(ps, sg.l0)) {
+            // a chunk of recurrent rows without an exact row runs its layers one graph each: such a
+            // graph ends with its first layer's state update
+            bool split = hparams.is_recr(sg.l0) && sg.l1 - sg.l0 > 1;
+            for (int32_t j = c0; j < c1 && split; ++j) {
+                split = ps.xi[j] < 0;
+            }
+            for (int32_t l0 = sg.l0; l0 < sg.l1; ) {
+                const int32_t l1 = split ? l0 + 1 : sg.l1;
+                late_graph(ps, l0, l1, c0, c1, lg);
+                std::string err = run_graph(ps, lg, caches, rs_cell);
+                if (!err.empty()) {
+                    return err;
+                }
+                l0 = l1;
             }
         }
     }
@@ -288,10 +330,12 @@ std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, 
     const int32_t il        = lg.il;
     const bool    recurrent = model.hparams.is_recr(il);
 
-    // the splice test: the tail starts from the given state (the graphs before wrote the cell)
-    if (recurrent && lg.c0 == ps.n_prefix && splice_states.count(il)) {
-        ggml_backend_sched_synchronize(sched);
-        caches.write_state(il, rs_cell, splice_states.at(il));
+    // the splice test: the tail starts from the given states (the graphs before wrote the cell)
+    for (int32_t l = il; recurrent && lg.c0 == ps.n_prefix && l < lg.il_end; ++l) {
+        if (splice_states.count(l)) {
+            ggml_backend_sched_synchronize(sched);
+            caches.write_state(l, rs_cell, splice_states.at(l));
+        }
     }
 
     const bool rs_zero = recurrent && ps.pos0 == 0 && lg.c0 == 0; // a new sequence starts from a zero state
@@ -305,19 +349,19 @@ std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, 
     ggml_cgraph * gf = build_graph(lg.ub, mctx.get(), lg.out_idx.size());
     const int64_t t1 = ggml_time_us();
     if (!gf || !ggml_backend_sched_alloc_graph(sched, gf)) {
-        return format("failed to build or allocate the late-phase graph of layer %d", il);
+        return format("failed to build or allocate the late-phase graph of layers %d..%d", il, lg.il_end - 1);
     }
     const int64_t t2 = ggml_time_us();
     res_late->set_inputs(&lg.ub);
     const int64_t t3 = ggml_time_us();
     if (lctx.graph_compute(gf, true) != GGML_STATUS_SUCCESS) {
-        return format("failed to compute the late-phase graph of layer %d", il);
+        return format("failed to compute the late-phase graph of layers %d..%d", il, lg.il_end - 1);
     }
     // wait only for results read back here; otherwise the next graph is built while this one runs,
     // as llama_context::decode does with its ubatches
     const int64_t t4 = ggml_time_us();
     const bool record = recurrent && lg.c1 == ps.n_prefix && record_boundary;
-    if (cur.v_scale || cur.k_scale || record || !lg.out_idx.empty()) {
+    if (!cur.v_scales.empty() || !cur.k_scales.empty() || record || !lg.out_idx.empty()) {
         ggml_backend_sched_synchronize(sched);
     }
     const int64_t t5 = ggml_time_us();
@@ -329,18 +373,17 @@ std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, 
     timing.compute_us += t4 - t3;
     timing.wait_us    += t5 - t4;
 
-    // what the graph measured: the value and key scales, the state at the end of the prefix, the logits
+    // what the graph measured: the value and key scales, the states at the end of the prefix, the logits
     const size_t n_head_kv_max = last_v_scales.size()/(n_layer - params.split_layer);
-    const size_t off           = (size_t) (il - params.split_layer)*n_head_kv_max;
-    if (cur.v_scale) {
-        ggml_backend_tensor_get(cur.v_scale, last_v_scales.data() + off, 0, ggml_nbytes(cur.v_scale));
+    for (const auto & [l, t] : cur.v_scales) {
+        ggml_backend_tensor_get(t, last_v_scales.data() + (size_t) (l - params.split_layer)*n_head_kv_max, 0, ggml_nbytes(t));
     }
-    if (cur.k_scale) {
-        ggml_backend_tensor_get(cur.k_scale, last_k_scales.data() + off, 0, ggml_nbytes(cur.k_scale));
+    for (const auto & [l, t] : cur.k_scales) {
+        ggml_backend_tensor_get(t, last_k_scales.data() + (size_t) (l - params.split_layer)*n_head_kv_max, 0, ggml_nbytes(t));
     }
-    if (record) {
+    for (int32_t l = il; record && l < lg.il_end; ++l) {
         // the state after the last prefix row, before any correction
-        boundary_states[il] = caches.read_state(il, rs_cell);
+        boundary_states[l] = caches.read_state(l, rs_cell);
     }
     if (!lg.out_idx.empty()) {
         ggml_tensor * t_logits = res_late->get_logits();
@@ -499,9 +542,10 @@ int llama_ridgefill_context::finish() {
     stats.n_probe      = n_probe;
     stats.t_late_ms    = (ggml_time_us() - t_start_us)/1000.0;
 
-    // RidgeFill graphs are never reused (llm_graph_params::allow_reuse), early or late
+    // early-phase graphs are reused for ubatches of the same shape (llm_graph_params::allow_reuse);
+    // late-phase graphs are all different
     stats.n_early_built  = timing.n_early;
-    stats.n_early_reused = 0;
+    stats.n_early_reused = timing.n_early_reused;
     stats.n_late_built   = timing.n_graphs;
     stats.n_late_reused  = 0;
     stats.t_early_ms     = timing.early_us/1000.0;
@@ -515,9 +559,9 @@ int llama_ridgefill_context::finish() {
 
     // LLAMA_RIDGEFILL_TIMING=1: where the time of this prompt went
     if (const char * env = getenv("LLAMA_RIDGEFILL_TIMING"); env && atoi(env) > 0) {
-        LLAMA_LOG_INFO("%s: RidgeFill timing: early phase %d ubatches %.1f ms (graph + launch, compute may be async); "
+        LLAMA_LOG_INFO("%s: RidgeFill timing: early phase %d graphs built, %d reused, %.1f ms (graph + launch, compute may be async); "
                 "late phase %.1f ms: %d graphs (%lld nodes), build %.1f ms, alloc %.1f ms, inputs %.1f ms, "
-                "compute %.1f ms, wait %.1f ms, other %.1f ms\n", __func__, stats.n_early_built, stats.t_early_ms,
+                "compute %.1f ms, wait %.1f ms, other %.1f ms\n", __func__, stats.n_early_built, stats.n_early_reused, stats.t_early_ms,
                 stats.t_late_ms, stats.n_late_built, (long long) timing.n_nodes, stats.t_build_ms, stats.t_alloc_ms,
                 stats.t_set_input_ms, stats.t_compute_ms, stats.t_wait_ms, stats.t_other_ms);
     }
@@ -598,18 +642,45 @@ bool llama_ridgefill_context::reserve() {
     layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
 
     llama_ridgefill_late_graph lg;
+    auto reserve_late = [&](const llama_ridgefill_pass & ps, int32_t l0, int32_t l1) {
+        late_graph(ps, l0, l1, 0, n_tokens, lg);
+        cur = std::move(lg.rf);
+        reserve_graph(lg.ub, lg.out_idx.size());
+    };
+    const int32_t n_f_max = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
     for (int32_t il : layers) {
-        std::vector<llama_ridgefill_pass> passes;
         if (hparams.is_recr(il)) {
-            passes.push_back(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0));
-            passes.push_back(reserve_pass(0, n_tokens, 0));
+            reserve_late(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0), il, il + 1);
+            reserve_late(reserve_pass(0, n_tokens, 0), il, il + 1);
         } else {
-            passes.push_back(reserve_pass(std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1), n_tokens, n_query));
+            reserve_late(reserve_pass(n_f_max, n_tokens, n_query), il, il + 1);
         }
-        for (const auto & ps : passes) {
-            late_graph(ps, il, 0, n_tokens, lg);
-            cur = std::move(lg.rf);
-            reserve_graph(lg.ub, lg.out_idx.size());
+    }
+
+    // the graphs of several layers (llama_ridgefill_context::late_segments): each run of recurrent
+    // layers, and the runs of attention layers a pass of one chunk of exact rows shares, for each count
+    // of fill steps (the most filled rows for that count) and for a pass that does not fill (probe)
+    std::map<std::pair<int32_t, int32_t>, int32_t> multi; // (l0, l1) -> filled rows (-1: no fill)
+    const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) cparams.n_ubatch;
+    for (int32_t n_steps = 0; n_steps <= fill_steps_max(); ++n_steps) {
+        const int32_t n_f = std::min(n_f_max, n_steps*n_chunk);
+        for (const auto & sg : late_segments(n_tokens, n_steps > 0 ? n_f : 0, n_steps > 0)) {
+            if (sg.l1 - sg.l0 > 1) {
+                auto it = multi.emplace(std::make_pair(sg.l0, sg.l1), -1).first;
+                it->second = std::max(it->second, hparams.is_recr(sg.l0) ? 0 : (n_steps > 0 ? n_f : -1));
+            }
+        }
+    }
+    for (const auto & [sg, n_f] : multi) {
+        if (hparams.is_recr(sg.first)) {
+            reserve_late(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0), sg.first, sg.second);
+            reserve_late(reserve_pass(0, n_tokens, 0), sg.first, sg.second);
+        } else if (n_f > 0) {
+            reserve_late(reserve_pass(n_f, n_tokens, n_query), sg.first, sg.second);
+        } else {
+            llama_ridgefill_pass ps = reserve_pass(n_f_max, n_tokens, n_query);
+            ps.fills = false;
+            reserve_late(ps, sg.first, sg.second);
         }
     }
     res_late->reset();
@@ -620,9 +691,15 @@ bool llama_ridgefill_context::reserve() {
     return ok;
 }
 
+int32_t llama_ridgefill_context::fill_steps_max() const {
+    // about 40 nodes a step, in half the node budget of a ubatch's graph
+    const uint32_t n_ubatch = lctx.get_cparams().n_ubatch;
+    return std::max<int32_t>(1, ((int32_t) lctx.graph_max_nodes(n_ubatch)/2 - 256)/40);
+}
+
 int32_t llama_ridgefill_context::fill_chunk(int32_t n_f) const {
     const uint32_t n_ubatch  = lctx.get_cparams().n_ubatch;
-    const int32_t  max_steps = std::max<int32_t>(1, ((int32_t) lctx.graph_max_nodes(n_ubatch)/2 - 256)/40);
+    const int32_t  max_steps = fill_steps_max();
     const int32_t  n_chunk   = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
     return std::max({ 1, n_chunk, (n_f + max_steps - 1)/max_steps });
 }

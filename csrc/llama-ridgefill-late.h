@@ -1,5 +1,6 @@
 // The late phase of a planned prompt (docs/design.md §4, §6): once every row has run the early layers,
-// a pass over the late layers, layer-major. Each pass is cut into graphs by one builder
+// a pass over the late layers, layer-major (a graph may run several consecutive layers, see
+// llama_ridgefill_segment). Each pass is cut into graphs by one builder
 // (llama_ridgefill_context::late_graph), which the run, the probe pass and the compute-buffer
 // reservation share, so a graph input added there is reserved and run alike.
 #pragma once
@@ -35,12 +36,21 @@ struct llama_ridgefill_pass {
     std::vector<std::pair<llama_pos, int32_t>> out_rows; // (position, batch index) of those rows
 };
 
-// one graph of a pass: late layer il on rows [c0, c1) of the rows the layer runs (the exact rows X
-// for an attention layer, every planned row in position order for a recurrent one)
+// a run of consecutive late layers [l0, l1) whose graphs each run all of them on a chunk of rows:
+// recurrent layers (each chunk of every row runs them in turn), or attention layers whose exact rows
+// fit one chunk (llama_ridgefill_context::late_segments)
+struct llama_ridgefill_segment {
+    int32_t l0 = 0;
+    int32_t l1 = 0;
+};
+
+// one graph of a pass: late layers [il, il_end) on rows [c0, c1) of the rows the layers run (the exact
+// rows X for attention layers, every planned row in position order for recurrent ones)
 struct llama_ridgefill_late_graph {
-    int32_t il = 0;
-    int32_t c0 = 0;
-    int32_t c1 = 0;
+    int32_t il     = 0;
+    int32_t il_end = 0;
+    int32_t c0     = 0;
+    int32_t c1     = 0;
 
     llama_ridgefill_graph rf;        // what the model builder builds
     llama_ubatch          ub;        // the graph's rows, no tokens

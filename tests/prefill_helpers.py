@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 
 import numpy as np
 
@@ -81,3 +82,61 @@ def captured_log():
         yield lines
     finally:
         llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def early_graph_counts(calls: list[int], n_ubatch: int, n_prompt: int, n_sel_queries: int) -> tuple[int, int]:
+    """(built, reused) early-phase graphs of a plan whose rows come in decode calls of these sizes
+    (docs/design.md §6): each call is cut into ubatches of n_ubatch rows; a ubatch holding one of the
+    attention selector's query rows (the last n_sel_queries of the prompt; 0: no selector) builds its
+    graph, any other reuses the previous ubatch's graph when that one was such a ubatch of the same
+    size."""
+    built = reused = 0
+    prev = None  # rows of the previous reusable early graph
+    pos = 0
+    for c in calls:
+        for u0 in range(0, c, n_ubatch):
+            n = min(n_ubatch, c - u0)
+            sel = n_sel_queries > 0 and pos + u0 + n - 1 >= n_prompt - n_sel_queries
+            if not sel and prev == n:
+                reused += 1
+            else:
+                built += 1
+            prev = None if sel else n
+        pos += c
+    return built, reused
+
+
+def late_graph_count(*, recurrent: list[bool], split: int, n_prompt: int, tail: int, exact: list[int],
+                     n_ubatch: int, fill_chunk: int | None = None, fills: bool = True) -> int:
+    """Late-phase graphs of one pass (docs/design.md §6): runs of consecutive recurrent late layers share
+    a graph per chunk of every row (chunks of n_ubatch, anew at the tail; a chunk without an exact row
+    runs its layers one graph each); runs of attention layers share one graph when the exact rows fit
+    one chunk, else each attention layer runs ceil(|X| / n_ubatch) graphs. exact: the exact prefix rows
+    (0-based). Only for settings where the fill-step budget does not decide (one fill step per layer,
+    or several chunks of exact rows, or no fill), which the assertion checks."""
+    n_layer = len(recurrent)
+    n_prefix = n_prompt - tail
+    x = set(exact) | set(range(n_prefix, n_prompt))
+    n_x, n_f = len(x), n_prompt - len(x)
+    chunk = fill_chunk or n_ubatch
+    one_chunk = n_x <= n_ubatch
+    count = 0
+    l0 = split
+    while l0 < n_layer:
+        l1 = l0 + 1
+        while l1 < n_layer and recurrent[l1] == recurrent[l0] and (recurrent[l0] or one_chunk):
+            l1 += 1
+        if not recurrent[l0] and l1 - l0 > 1:
+            # a graph holds at least 6 fill steps (llama-ridgefill-late.cpp fill_steps_max)
+            assert not (fills and n_f > chunk) and l1 - l0 <= 6, "the graph's fill-step budget would decide"
+        if recurrent[l0]:
+            c0 = 0
+            while c0 < n_prompt:
+                c1 = min(c0 + n_ubatch, n_prefix if c0 < n_prefix else n_prompt)
+                has_exact = any(j in x for j in range(c0, c1))
+                count += 1 if has_exact or l1 - l0 == 1 else l1 - l0
+                c0 = c1
+        else:
+            count += math.ceil(n_x / n_ubatch)
+        l0 = l1
+    return count

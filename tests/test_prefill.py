@@ -23,7 +23,8 @@ from conftest import evaluation_tokens
 
 import ridgefill_cpp  # first: llama_cpp then loads the patched libraries
 import llama_cpp  # noqa: E402
-from prefill_helpers import assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, last_logits, rel, stock_logits
+from prefill_helpers import (assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, early_graph_counts,
+                             last_logits, late_graph_count, rel, stock_logits)
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -238,24 +239,30 @@ def test_all_rows_exact_equals_stock(arch, flash_attn, tiny_models, oracles, pro
         llm.close()
 
 
+@pytest.mark.parametrize("n_batch, n_ubatch, fraction", [(64, 32, 0.25), (256, 256, 0.1)])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe"])
-def test_plan_accounting_counts_every_graph_and_millisecond(arch, tiny_models, oracles, prompt, map_files):
-    """ridgefill_stats' graphs and times_ms: one early graph per ubatch of the prompt's decode calls,
-    ceil(|X| / n_ubatch) late graphs per late layer (X: the exact rows), none reused (RidgeFill graphs
-    never are), and the late phase split into its parts with `other` the rest of it."""
+def test_plan_accounting_counts_every_graph_and_millisecond(arch, n_batch, n_ubatch, fraction, tiny_models, oracles,
+                                                            prompt, map_files):
+    """ridgefill_stats' graphs and times_ms: early graphs built for the first ubatch and those holding
+    the selector's query rows, reused for the others; late graphs as the schedule of docs/design.md §6
+    has them (several chunks of exact rows: ceil(|X| / n_ubatch) per late layer; one chunk: one graph
+    for all late layers), none reused; the late phase split into its parts with `other` the rest."""
     o = oracles[arch]
     S, L = _split(arch, o), o.n_layer
-    n_batch, n_ubatch = 64, 32
-    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, min_prompt=0),
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill(map_files[arch], tail=TAIL, exact_fraction=fraction,
+                                                            min_prompt=0),
                 **ctx_kwargs(n_batch=n_batch, n_ubatch=n_ubatch))
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
-        calls = [64, 64, 32]  # Llama.eval's decode calls of the 160 rows: n_batch, the last one shorter
-        assert sum(calls) == N_TOKENS
+        calls = [min(n_batch, N_TOKENS - i) for i in range(0, N_TOKENS, n_batch)]  # Llama.eval's decode calls
+        built, reused = early_graph_counts(calls, n_ubatch, N_TOKENS, n_sel_queries=64)
+        late = late_graph_count(recurrent=[False] * L, split=S, n_prompt=N_TOKENS, tail=TAIL,
+                                exact=st["exact_positions"], n_ubatch=n_ubatch)
+        assert st["graphs"] == {"early_built": built, "early_reused": reused, "late_built": late, "late_reused": 0}
         n_x = st["tail"] + st["n_exact"]
-        assert st["graphs"] == {"early_built": sum(math.ceil(c / n_ubatch) for c in calls), "early_reused": 0,
-                                "late_built": (L - S) * math.ceil(n_x / n_ubatch), "late_reused": 0}
+        assert late == ((L - S) * math.ceil(n_x / n_ubatch) if n_x > n_ubatch else 1)
+        assert (built, reused) == ((3, 2) if n_ubatch == 32 else (1, 0))  # 5 ubatches, the last 2 hold query rows
         t = st["times_ms"]
         assert set(t) == {"early", "late", "build", "alloc", "set_input", "compute", "wait", "other"}
         assert all(v >= 0 for v in t.values()), t
@@ -264,6 +271,60 @@ def test_plan_accounting_counts_every_graph_and_millisecond(arch, tiny_models, o
         assert t["early"] + t["late"] <= st["prefill_ms"]
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_early_graphs_reused_without_the_selector(arch, tiny_models, oracles, prompt, map_files):
+    """Selector none: every early ubatch of the same size reuses the first one's graph (the last,
+    shorter ubatch of a call builds its own), and the plan's logits are those of the attention-free
+    plan with graph reuse off."""
+    o = oracles[arch]
+    rf = RidgeFill(map_files[arch], tail=TAIL, selector="none", min_prompt=0)
+    llm = Llama(str(tiny_models[arch]), ridgefill=rf, **ctx_kwargs(n_batch=64, n_ubatch=16))
+    try:
+        llm.eval(prompt)  # calls of 64, 64, 32 rows: ubatches of 16 rows
+        assert llm.ridgefill_stats["graphs"]["early_built"] == 1
+        assert llm.ridgefill_stats["graphs"]["early_reused"] == N_TOKENS // 16 - 1
+        assert llm.ridgefill_stats["n_filled"] > 0 and o.n_layer > _split(arch, o)
+    finally:
+        llm.close()
+
+
+def _reuse_scenario(path, rf, prompt) -> tuple[list[np.ndarray], list[dict]]:
+    """Stock prompt rows, then a plan whose first early ubatch has the shape of the stock graph before
+    it, then generated rows (stock graphs after early ones): the logits of each step and the plan's
+    graph counts."""
+    llm = Llama(str(path), ridgefill=rf, **ctx_kwargs(n_batch=64, n_ubatch=32))
+    try:
+        out, graphs = [], []
+        llm.eval(prompt[:64])  # 64 rows < min_prompt: stock, two ubatches of 32 (the second reuses the first)
+        assert llm.ridgefill_stats == {}
+        out.append(last_logits(llm))
+        llm.eval(prompt[64:])  # 96 new rows: a plan; its first ubatch has 32 rows
+        assert llm.ridgefill_stats["n_filled"] > 0
+        graphs.append(llm.ridgefill_stats["graphs"])
+        out.append(last_logits(llm))
+        for tok in prompt[:3]:  # generated rows: stock one-row graphs
+            llm.eval([tok])
+            out.append(last_logits(llm))
+        return out, graphs
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graph_reuse_never_crosses_phases(arch, tiny_models, prompt, map_files, monkeypatch):
+    """Reuse on and off give bit-identical logits for stock rows, a plan and generated rows in one
+    context: a stock graph is never reused for an early-phase ubatch of the same shape, nor an early
+    graph for a stock ubatch."""
+    rf = RidgeFill(map_files[arch], tail=TAIL, selector="none", min_prompt=65)
+    on, graphs_on = _reuse_scenario(tiny_models[arch], rf, prompt)
+    monkeypatch.setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
+    off, graphs_off = _reuse_scenario(tiny_models[arch], rf, prompt)
+    assert graphs_on[0]["early_built"] == 1 and graphs_on[0]["early_reused"] == 2  # 32, 32 | 32: the first built
+    assert graphs_off[0]["early_reused"] == 0 and graphs_off[0]["early_built"] == 3
+    for a, b in zip(on, off):
+        assert np.array_equal(a, b)
 
 
 def _fused_with_separate_biases(tmp_path) -> tuple[Path, Path]:

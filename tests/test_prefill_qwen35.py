@@ -25,7 +25,7 @@ from conftest import evaluation_tokens
 
 import ridgefill_cpp  # noqa: F401  (first: llama_cpp then loads the patched libraries)
 import llama_cpp  # noqa: E402
-from prefill_helpers import assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, last_logits, rel
+from prefill_helpers import assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, last_logits, late_graph_count, rel
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -408,6 +408,30 @@ def test_compute_buffers_are_reserved_for_the_recurrent_late_layers(model, promp
     text = "".join(logs)
     assert "RidgeFill attached" in text and "compute buffer size" in text
     assert "does not match expectation" not in text
+
+
+@pytest.mark.parametrize("selector", ["attention", "probe"])
+def test_plan_accounting_of_the_recurrent_late_layers(selector, model, oracle, prompt, map_file):
+    """The late GDN layers 3 and 4 share one graph per chunk of every row (4 chunks of 200 rows at
+    n_ubatch 64, the tail anew); the attention layer 5 one graph for the exact rows: 5 late graphs
+    where one graph per layer and chunk took 9. The probe selector runs two passes."""
+    recurrent = [oracle.is_recurrent(il) for il in range(oracle.n_layer)]
+    assert recurrent[S:] == [True, True, False]
+    llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector=selector, min_prompt=0),
+                **ctx_kwargs(n_ubatch=64))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        first = [] if selector == "attention" else list(range(N_TOKENS - TAIL))  # the probe pass fills every prefix row
+        second = late_graph_count(recurrent=recurrent, split=S, n_prompt=N_TOKENS, tail=TAIL,
+                                  exact=st["exact_positions"], n_ubatch=64, fills=selector == "attention")
+        late = second + (late_graph_count(recurrent=recurrent, split=S, n_prompt=N_TOKENS, tail=TAIL, exact=first,
+                                          n_ubatch=64) if selector == "probe" else 0)
+        assert st["graphs"]["late_built"] == late and st["graphs"]["late_reused"] == 0
+        if selector == "attention":
+            assert late <= 4 + 1 and late < 2 * 4 + 1
+    finally:
+        llm.close()
 
 
 def test_state_correction_needs_gains(model, map_file):
