@@ -158,6 +158,10 @@ struct llama_ridgefill_context {
     int32_t n_embd    = 0;
     int32_t sel_layer = -1; // attention selector layer (-1: selector none)
 
+    // rows of a recurrent late layer's graph (reserve: n_ubatch to 8 n_ubatch, as many as the
+    // compute buffers reserved for the other graphs hold)
+    int32_t n_late_rows_recr = 0;
+
     ggml_context_ptr        ctx_buf;
     ggml_backend_buffer_ptr buf;
     ggml_tensor * xs     = nullptr; // [n_embd, n_ctx]

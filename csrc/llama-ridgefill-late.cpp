@@ -113,16 +113,26 @@ std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int3
 std::vector<std::pair<int32_t, int32_t>> llama_ridgefill_context::late_chunks(const llama_ridgefill_pass & ps, int32_t il) const {
     // an attention layer runs the exact rows in chunks of n_ubatch, in position order (a chunk attends
     // to the rows of the chunks before it, already written); a recurrent layer every row in position
-    // order, in chunks of n_ubatch that start anew at the tail (its first chunk may start from the
-    // corrected state)
+    // order, in chunks of up to n_late_rows_recr rows of which at most n_ubatch exact, that start anew
+    // at the tail (its first chunk may start from the corrected state)
     const bool    recurrent = model.hparams.is_recr(il);
     const int32_t n_rows    = recurrent ? ps.N : (int32_t) ps.X.size();
     const int32_t n_ubatch  = (int32_t) lctx.get_cparams().n_ubatch;
+    const int32_t n_max     = recurrent ? std::max(n_late_rows_recr, n_ubatch) : n_ubatch;
 
     std::vector<std::pair<int32_t, int32_t>> chunks;
     for (int32_t c0 = 0; c0 < n_rows; ) {
         const int32_t end = recurrent && c0 < ps.n_prefix ? ps.n_prefix : n_rows;
-        const int32_t c1  = std::min(c0 + n_ubatch, end);
+        int32_t c1  = c0;
+        int32_t n_x = 0;
+        while (c1 < end && c1 - c0 < n_max) {
+            const bool exact = !recurrent || ps.xi[c1] >= 0;
+            if (exact && n_x == n_ubatch) {
+                break;
+            }
+            n_x += exact;
+            ++c1;
+        }
         chunks.emplace_back(c0, c1);
         c0 = c1;
     }
@@ -548,6 +558,8 @@ int llama_ridgefill_context::finish() {
     stats.n_early_reused = timing.n_early_reused;
     stats.n_late_built   = timing.n_graphs;
     stats.n_late_reused  = 0;
+    stats.n_late_rows    = (int32_t) lctx.get_cparams().n_ubatch;
+    stats.n_late_rows_recr = n_late_rows_recr;
     stats.t_early_ms     = timing.early_us/1000.0;
     stats.t_build_ms     = timing.build_us/1000.0;
     stats.t_alloc_ms     = timing.alloc_us/1000.0;
@@ -683,6 +695,59 @@ bool llama_ridgefill_context::reserve() {
             reserve_late(ps, sg.first, sg.second);
         }
     }
+    // recurrent late layers: chunks of more rows than n_ubatch (at most n_ubatch of them exact), as many
+    // as the compute buffers reserved so far hold: fewer graphs, and no more memory
+    n_late_rows_recr = n_tokens;
+    std::vector<llama_ridgefill_segment> recurrent;
+    for (const auto & sg : late_segments(n_tokens, 0, false)) {
+        if (hparams.is_recr(sg.l0)) {
+            recurrent.push_back(sg);
+        }
+    }
+    const int n_backends = ggml_backend_sched_get_n_backends(sched);
+    std::vector<size_t> have(n_backends);
+    std::vector<size_t> need(n_backends);
+    for (int i = 0; i < n_backends; ++i) {
+        have[i] = ggml_backend_sched_get_buffer_size(sched, ggml_backend_sched_get_backend(sched, i));
+    }
+    for (int32_t m = 8; ok && !recurrent.empty() && m >= 2 && n_late_rows_recr == n_tokens; m /= 2) {
+        const int32_t n_rows = std::min<int32_t>(m*n_tokens, cparams.n_ctx);
+        if (n_rows <= n_tokens) {
+            continue;
+        }
+        // a chunk with n_ubatch exact rows runs the segment in one graph, one without exact rows each
+        // layer in its own
+        const llama_ridgefill_pass mixed  = reserve_pass(n_rows - n_tokens, n_tokens, 0);
+        const llama_ridgefill_pass filled = reserve_pass(n_rows, 0, 0);
+        std::vector<std::pair<const llama_ridgefill_pass *, llama_ridgefill_segment>> graphs;
+        for (const auto & sg : recurrent) {
+            graphs.push_back({ &mixed,  sg });
+            graphs.push_back({ &filled, { sg.l0, sg.l0 + 1 } });
+        }
+        bool fits = true;
+        for (const auto & [ps, sg] : graphs) {
+            late_graph(*ps, sg.l0, sg.l1, 0, n_rows, lg);
+            cur = std::move(lg.rf);
+            ggml_cgraph * gf = build_graph(lg.ub, mctx.get(), lg.out_idx.size());
+            if (gf == nullptr) {
+                fits = false;
+                break;
+            }
+            ggml_backend_sched_reserve_size(sched, gf, need.data());
+            for (int i = 0; i < n_backends; ++i) {
+                fits = fits && need[i] <= have[i];
+            }
+        }
+        if (fits) {
+            for (const auto & [ps, sg] : graphs) {
+                late_graph(*ps, sg.l0, sg.l1, 0, n_rows, lg);
+                cur = std::move(lg.rf);
+                reserve_graph(lg.ub, lg.out_idx.size());
+            }
+            n_late_rows_recr = n_rows;
+        }
+    }
+
     res_late->reset();
     cur = {};
 

@@ -212,6 +212,12 @@ extern "C" {
         double    t_compute_ms;
         double    t_wait_ms;
         double    t_other_ms;
+
+        // rows of a late graph: exact rows of an attention layer's chunk (n_ubatch), and rows of a
+        // recurrent layer's chunk (at most n_ubatch of them exact; up to 8 n_ubatch where the compute
+        // buffers hold them)
+        int32_t   n_late_rows;
+        int32_t   n_late_rows_recr;
     };
 
     // statistics of the last finished plan; returns 0, or -1 without RidgeFill attached

@@ -242,6 +242,8 @@ class llama_ridgefill_stats(ctypes.Structure):
         ("t_compute_ms", ctypes.c_double),
         ("t_wait_ms", ctypes.c_double),
         ("t_other_ms", ctypes.c_double),
+        ("n_late_rows", ctypes.c_int32),
+        ("n_late_rows_recr", ctypes.c_int32),
     ]
 
 

@@ -383,6 +383,7 @@ class Llama(llama_cpp.Llama):
             "times_ms": {"early": s.t_early_ms, "late": float(s.t_late_ms), "build": s.t_build_ms,
                          "alloc": s.t_alloc_ms, "set_input": s.t_set_input_ms, "compute": s.t_compute_ms,
                          "wait": s.t_wait_ms, "other": s.t_other_ms},
+            "late_rows": {"attention": s.n_late_rows, "recurrent": s.n_late_rows_recr},
             **self.ridgefill_memory(),
         }
         return {key: stats[key] for key in settings.STATS}  # the documented keys, in their order

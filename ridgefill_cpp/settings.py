@@ -121,6 +121,8 @@ STATS: Mapping[str, str] = {
     "graphs": "graphs of the plan: {early_built, early_reused, late_built, late_reused}",
     "times_ms": "where its time went (ms): {early, late, build, alloc, set_input, compute, wait, other}; the last six"
                 " split the late phase",
+    "late_rows": "rows of a late graph: {attention (exact rows of a chunk: n_ubatch), recurrent (rows of a chunk,"
+                 " at most n_ubatch of them exact)}",
     "maps_bytes": "bytes of the maps (0: identity fill)",
     "maps_placement": "'resident' or 'host'",
     "maps_buffers": "the ggml buffer types holding the maps",

@@ -107,13 +107,16 @@ def early_graph_counts(calls: list[int], n_ubatch: int, n_prompt: int, n_sel_que
 
 
 def late_graph_count(*, recurrent: list[bool], split: int, n_prompt: int, tail: int, exact: list[int],
-                     n_ubatch: int, fill_chunk: int | None = None, fills: bool = True) -> int:
+                     n_ubatch: int, recurrent_rows: int | None = None, fill_chunk: int | None = None,
+                     fills: bool = True) -> int:
     """Late-phase graphs of one pass (docs/design.md §6): runs of consecutive recurrent late layers share
-    a graph per chunk of every row (chunks of n_ubatch, anew at the tail; a chunk without an exact row
-    runs its layers one graph each); runs of attention layers share one graph when the exact rows fit
-    one chunk, else each attention layer runs ceil(|X| / n_ubatch) graphs. exact: the exact prefix rows
-    (0-based). Only for settings where the fill-step budget does not decide (one fill step per layer,
-    or several chunks of exact rows, or no fill), which the assertion checks."""
+    a graph per chunk of every row (chunks of up to recurrent_rows rows, at most n_ubatch of them exact,
+    anew at the tail; a chunk without an exact row runs its layers one graph each); runs of attention
+    layers share one graph when the exact rows fit one chunk, else each attention layer runs
+    ceil(|X| / n_ubatch) graphs. exact: the exact prefix rows (0-based). Only for settings where the
+    fill-step budget does not decide (one fill step per layer, or several chunks of exact rows, or no
+    fill), which the assertion checks."""
+    recurrent_rows = recurrent_rows or n_ubatch
     n_layer = len(recurrent)
     n_prefix = n_prompt - tail
     x = set(exact) | set(range(n_prefix, n_prompt))
@@ -132,8 +135,12 @@ def late_graph_count(*, recurrent: list[bool], split: int, n_prompt: int, tail: 
         if recurrent[l0]:
             c0 = 0
             while c0 < n_prompt:
-                c1 = min(c0 + n_ubatch, n_prefix if c0 < n_prefix else n_prompt)
-                has_exact = any(j in x for j in range(c0, c1))
+                end = n_prefix if c0 < n_prefix else n_prompt
+                c1, n_x_chunk = c0, 0
+                while c1 < end and c1 - c0 < recurrent_rows and not (c1 in x and n_x_chunk == n_ubatch):
+                    n_x_chunk += c1 in x
+                    c1 += 1
+                has_exact = n_x_chunk > 0
                 count += 1 if has_exact or l1 - l0 == 1 else l1 - l0
                 c0 = c1
         else:

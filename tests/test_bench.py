@@ -156,8 +156,9 @@ def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
 
 def test_plan_accounting_and_arch_bench_tools_run(tmp_path):
     """tools/plan_accounting.py (docs/overhead-cpu) and tools/bench_archs.py (docs/archs-cpu) run end to
-    end on short prompts: the accounting's graph counts follow the plan (one early graph per ubatch;
-    a dense model's late graphs (L - S) x ceil(|X| / n_ubatch)), the bench reports every arch it ran."""
+    end on short prompts: the accounting's graph counts follow the plan (700 rows: two ubatches, each
+    building its graph, the second holding the selector's query rows; some late graphs), with a stock
+    prefill of the same prompt beside it; the bench reports every arch it ran."""
     import subprocess
     import sys
     from pathlib import Path
@@ -170,6 +171,8 @@ def test_plan_accounting_and_arch_bench_tools_run(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["graphs"]["early_built"] == 2 and row["graphs"]["early_reused"] == 0  # 700 rows, ubatches of 512
     assert row["graphs"]["late_built"] > 0 and row["times_ms"]["late"] > 0
+    assert row["stock"]["graphs"] == {"built": 2, "reused": 0} and row["stock"]["prefill_ms"] > 0  # 512 + 188 rows
+    assert row["late_rows"]["attention"] == 512 and "| small | 700 |" in run.stdout
     out = tmp_path / "archs.json"
     run = subprocess.run([sys.executable, str(tools / "bench_archs.py"), "--arch", "qwen2", "--lengths", "300",
                           "--repeats", "1", "--threads", "1", "--json", str(out)], capture_output=True, text=True,

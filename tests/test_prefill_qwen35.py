@@ -410,26 +410,36 @@ def test_compute_buffers_are_reserved_for_the_recurrent_late_layers(model, promp
     assert "does not match expectation" not in text
 
 
+@pytest.mark.parametrize("n_ctx", [256, 1024])
 @pytest.mark.parametrize("selector", ["attention", "probe"])
-def test_plan_accounting_of_the_recurrent_late_layers(selector, model, oracle, prompt, map_file):
-    """The late GDN layers 3 and 4 share one graph per chunk of every row (4 chunks of 200 rows at
-    n_ubatch 64, the tail anew); the attention layer 5 one graph for the exact rows: 5 late graphs
-    where one graph per layer and chunk took 9. The probe selector runs two passes."""
+def test_plan_accounting_of_the_recurrent_late_layers(selector, n_ctx, model, oracle, prompt, map_file):
+    """The late GDN layers 3 and 4 share one graph per chunk of every row, the attention layer 5 one
+    graph for the exact rows. A chunk of GDN rows holds up to 8 n_ubatch rows (at most n_ubatch exact)
+    where the compute buffers reserved for the other graphs hold them: the larger n_ctx makes the
+    attention graphs' buffers larger, so chunks grow (200 rows at n_ubatch 32: with chunks of 256 rows,
+    2 + ceil(|X| / 32) late graphs, where one graph per layer and chunk of n_ubatch took 2 x 7 + 2).
+    The probe selector runs two passes."""
     recurrent = [oracle.is_recurrent(il) for il in range(oracle.n_layer)]
     assert recurrent[S:] == [True, True, False]
     llm = Llama(str(model), ridgefill=RidgeFill(map_file, tail=TAIL, selector=selector, min_prompt=0),
-                **ctx_kwargs(n_ubatch=64))
+                **ctx_kwargs(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=32))
     try:
         llm.eval(prompt)
         st = llm.ridgefill_stats
-        first = [] if selector == "attention" else list(range(N_TOKENS - TAIL))  # the probe pass fills every prefix row
-        second = late_graph_count(recurrent=recurrent, split=S, n_prompt=N_TOKENS, tail=TAIL,
-                                  exact=st["exact_positions"], n_ubatch=64, fills=selector == "attention")
-        late = second + (late_graph_count(recurrent=recurrent, split=S, n_prompt=N_TOKENS, tail=TAIL, exact=first,
-                                          n_ubatch=64) if selector == "probe" else 0)
+        rows = st["late_rows"]
+        assert rows["attention"] == 32 and rows["recurrent"] in (32, 64, 128, 256)
+        kw = dict(recurrent=recurrent, split=S, n_prompt=N_TOKENS, tail=TAIL, n_ubatch=32,
+                  recurrent_rows=rows["recurrent"])
+        late = late_graph_count(exact=st["exact_positions"], fills=selector == "attention", **kw)
+        if selector == "probe":  # its first pass fills every prefix row
+            late += late_graph_count(exact=[], **kw)
         assert st["graphs"]["late_built"] == late and st["graphs"]["late_reused"] == 0
-        if selector == "attention":
-            assert late <= 4 + 1 and late < 2 * 4 + 1
+        if n_ctx == 1024:
+            assert rows["recurrent"] > 32
+        if selector == "attention" and rows["recurrent"] >= N_TOKENS - TAIL:
+            # one graph for the prefix and one for the tail (layers 3 and 4 each), the attention layer's
+            n_x = st["tail"] + st["n_exact"]
+            assert late == 2 + math.ceil(n_x / 32)
     finally:
         llm.close()
 

@@ -1,7 +1,9 @@
 """Where a RidgeFill prefill's graphs and milliseconds go (``ridgefill_stats["graphs"]`` and
-``["times_ms"]``), on the synthetic speed shapes of tools/gpu_check.py: the baseline that issue #20's
-graph reuse and fewer, larger late graphs are measured against. Identity fill at the default split,
-one prefill per length after a warm-up; any backend the build has (the CPU here).
+``["times_ms"]``), beside a stock prefill of the same prompt in the same run, on the synthetic speed
+shapes of tools/gpu_check.py: the accounting of issue #20 (graph reuse in the early phase, few late
+graphs). Identity fill at the default split, one prefill per length and variant after a warm-up;
+any backend the build has (the CPU here). Stock's graphs are its ubatches, built or reused
+(llama.cpp's own count, ``llama_perf_context``).
 
     python tools/plan_accounting.py [--shape small] [--lengths 1024,8192] [--threads 2] [--json out.json]
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import tempfile
@@ -17,6 +20,27 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+N_BATCH, N_UBATCH = 2048, 512
+
+
+def _timed_eval(llm, tokens) -> float:
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(tokens)
+    return (time.perf_counter() - t) * 1000.0
+
+
+def _stock_graphs(llm, tokens) -> tuple[dict, float]:
+    """A stock prefill's graphs (its ubatches: built, reused) and wall time (ms)."""
+    import llama_cpp
+
+    before = llama_cpp.llama_perf_context(llm.ctx).n_reused
+    wall = _timed_eval(llm, tokens)
+    reused = llama_cpp.llama_perf_context(llm.ctx).n_reused - before
+    n = len(tokens)
+    ubatches = sum(math.ceil(min(N_BATCH, n - i) / N_UBATCH) for i in range(0, n, N_BATCH))
+    return {"built": ubatches - reused, "reused": reused}, wall
 
 
 def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> list[dict]:
@@ -31,26 +55,27 @@ def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> 
         arch = SPEED_SHAPES[shape].get("arch", "qwen35")
         L = cfg["n_layer"]
         split = L - L // 3
-        llm = Llama(str(model), ridgefill=RidgeFill.identity(split, min_prompt=0), n_ctx=max(lengths) + 16,
-                    n_batch=2048, n_ubatch=512, n_threads=threads, n_threads_batch=threads, n_gpu_layers=n_gpu_layers,
-                    verbose=False)
+        kw = dict(n_ctx=max(lengths) + 16, n_batch=N_BATCH, n_ubatch=N_UBATCH, n_threads=threads,
+                  n_threads_batch=threads, n_gpu_layers=n_gpu_layers, verbose=False)
+        llm = Llama(str(model), ridgefill=RidgeFill.identity(split, min_prompt=0), **kw)
+        stock = Llama(str(model), **kw)
         try:
             prompt = prompt_tokens(llm, max(lengths))
-            warm_up([llm], prompt[:600])
+            warm_up([llm, stock], prompt[:600])
             for n in lengths:
-                llm.reset()
-                t = time.perf_counter()
-                llm.eval(prompt[:n])
-                wall = (time.perf_counter() - t) * 1000.0
+                stock_graphs, stock_ms = _stock_graphs(stock, prompt[:n])
+                wall = _timed_eval(llm, prompt[:n])
                 st = dict(llm.ridgefill_stats)
                 tm = st["times_ms"]
                 row = {"shape": shape, "arch": arch, "n": n, "n_layer": L, "split": split, "graphs": st["graphs"],
-                       "times_ms": tm, "prefill_ms": wall,
-                       "late_outside_compute_ms": tm["late"] - tm["compute"]}
+                       "late_rows": st.get("late_rows"), "times_ms": tm, "prefill_ms": wall,
+                       "late_outside_compute_ms": tm["late"] - tm["compute"], "ceiling": st["ceiling"],
+                       "stock": {"graphs": stock_graphs, "prefill_ms": stock_ms}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
             llm.close()
+            stock.close()
     return rows
 
 
@@ -70,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         from ridgefill_cpp.files import write_bytes
 
         write_bytes(args.json, (json.dumps(rows, indent=1) + "\n").encode())
-    print("\n| shape | rows | early graphs | late graphs | early ms | late ms | late: build | alloc | set_input "
-          "| compute | wait | other |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| shape | rows | stock graphs | stock ms | early graphs | late graphs | early ms | late ms | late: build "
+          "| alloc | set_input | compute | wait | other | RidgeFill ms | speedup | ceiling |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        g, t = r["graphs"], r["times_ms"]
-        print(f"| {r['shape']} | {r['n']} | {g['early_built']} (+{g['early_reused']} reused) | {g['late_built']} "
-              f"(+{g['late_reused']}) | {t['early']:.1f} | {t['late']:.1f} | {t['build']:.1f} | {t['alloc']:.1f} "
-              f"| {t['set_input']:.1f} | {t['compute']:.1f} | {t['wait']:.1f} | {t['other']:.1f} |")
+        g, t, sg = r["graphs"], r["times_ms"], r["stock"]["graphs"]
+        print(f"| {r['shape']} | {r['n']} | {sg['built']} (+{sg['reused']} reused) | {r['stock']['prefill_ms']:.1f} "
+              f"| {g['early_built']} (+{g['early_reused']} reused) | {g['late_built']} (+{g['late_reused']}) "
+              f"| {t['early']:.1f} | {t['late']:.1f} | {t['build']:.1f} | {t['alloc']:.1f} | {t['set_input']:.1f} "
+              f"| {t['compute']:.1f} | {t['wait']:.1f} | {t['other']:.1f} | {r['prefill_ms']:.1f} "
+              f"| {r['stock']['prefill_ms'] / r['prefill_ms']:.2f}x | {r['ceiling']:.2f}x |")
     return 0
 
 

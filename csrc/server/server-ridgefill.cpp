@@ -286,6 +286,11 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     graphs["late_reused"]  = st.n_late_reused;
     stats["graphs"] = graphs;
 
+    common_json late_rows;
+    late_rows["attention"] = st.n_late_rows;
+    late_rows["recurrent"] = st.n_late_rows_recr;
+    stats["late_rows"] = late_rows;
+
     common_json times;
     times["early"]     = st.t_early_ms;
     times["late"]      = st.t_late_ms;
