@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 
 //
@@ -152,6 +153,12 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
                            params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED;
     sel_layer = attention && params.split_layer < n_layer ? params.sel_layer : -1;
 
+    // LLAMA_RIDGEFILL_EARLY_GRAPHS=k: the early phase's KV extent grows in k steps over a plan, so
+    // that its ubatches reuse k graphs (docs/design.md §6.1); 0 (default): as stock prefill grows it
+    if (const char * env = getenv("LLAMA_RIDGEFILL_EARLY_GRAPHS")) {
+        n_early_steps = std::max(0, atoi(env));
+    }
+
     const llama_ridgefill_caches caches(lctx.get_memory());
     const int64_t n_ctx   = lctx.get_cparams().n_ctx;
     const int64_t n_cells = caches.base->get_size();
@@ -276,9 +283,42 @@ void llama_ridgefill_context::set_ubatch(const llama_ubatch & ubatch) {
     }
     cur = early_graph(std::move(dst_rows), std::move(sel_ids));
     graph_active = true;
+
+    if (n_early_steps > 0 && cur.reuse_key() >= 0) {
+        set_kv_min(ubatch);
+    }
+}
+
+void llama_ridgefill_context::set_kv_min(const llama_ubatch & ubatch) {
+    // the cells the plan's rows will end at if placed after those used now, padded as
+    // llama_kv_cache::get_n_kv pads; the extent of this ubatch's graph is that in n_early_steps
+    // steps. A hint only: the mask covers any extent, so a different placement only changes shapes
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    for (llama_kv_cache * kv : { caches.base, caches.swa }) {
+        if (kv == nullptr) {
+            continue;
+        }
+        const uint32_t n_pad  = 256;
+        const uint32_t size   = kv->get_size();
+        const uint32_t used   = kv->get_cells(plan.seq_id).used_max_p1();
+        const uint32_t end    = std::min<uint32_t>(size, GGML_PAD(used + (plan.pos_end - ubatch.pos[0]), n_pad));
+        const uint32_t step   = GGML_PAD((end + n_early_steps - 1)/n_early_steps, n_pad);
+        const uint32_t needed = std::min<uint32_t>(end, GGML_PAD(used + ubatch.n_tokens, n_pad));
+        kv->n_kv_min = std::min(end, (needed + step - 1)/step*step); // step: not a power of 2
+    }
+    kv_min_set = true;
 }
 
 void llama_ridgefill_context::set_ubatch_done() {
+    if (kv_min_set) {
+        const llama_ridgefill_caches caches(lctx.get_memory());
+        for (llama_kv_cache * kv : { caches.base, caches.swa }) {
+            if (kv != nullptr) {
+                kv->n_kv_min = 0;
+            }
+        }
+        kv_min_set = false;
+    }
     if (graph_active) {
         timing.early_us += ggml_time_us() - timing.t_ubatch_us;
         // the ubatch's graph was built, or the previous one reused (llama_context counts reuses)

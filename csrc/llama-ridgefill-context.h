@@ -72,6 +72,8 @@ struct llama_ridgefill_context {
     // the ubatch about to be processed: its graph is an early-phase graph when it holds planned rows
     void set_ubatch(const llama_ubatch & ubatch);
     void set_ubatch_done();
+    // LLAMA_RIDGEFILL_EARLY_GRAPHS: the least KV extent of an early ubatch's graph (llama_kv_cache::n_kv_min)
+    void set_kv_min(const llama_ubatch & ubatch);
 
     // the RidgeFill part of the graph being built (nullptr: stock)
     const llama_ridgefill_graph * graph() const { return graph_active ? &cur : nullptr; }
@@ -161,6 +163,11 @@ struct llama_ridgefill_context {
     // rows of a recurrent late layer's graph (reserve: n_ubatch to 8 n_ubatch, as many as the
     // compute buffers reserved for the other graphs hold)
     int32_t n_late_rows_recr = 0;
+
+    // the steps in which the early phase's KV extent grows over a plan (LLAMA_RIDGEFILL_EARLY_GRAPHS;
+    // 0: as in stock prefill, with the cells used)
+    int32_t n_early_steps = 0;
+    bool    kv_min_set    = false;
 
     ggml_context_ptr        ctx_buf;
     ggml_backend_buffer_ptr buf;

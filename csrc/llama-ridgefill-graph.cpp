@@ -45,18 +45,15 @@ public:
         return true;
     }
 
-    // a new input tensor filled from v (a vector of the graph's RidgeFill part, or of data that
-    // outlives the graph's use), as it is when the inputs are set
-    template <typename T>
-    ggml_tensor * add(ggml_context * ctx0, ggml_type type, const std::vector<T> & v, const char * name) {
-        GGML_ASSERT(ggml_type_size(type) == sizeof(T));
-        ggml_tensor * t = ggml_new_tensor_1d(ctx0, type, (int64_t) v.size());
-        ggml_set_input(t);
-        ggml_set_name(t, name);
-        sets.push_back({ t, &v, sizeof(T),
-                [](const void * p) { return (const void *) static_cast<const std::vector<T> *>(p)->data(); },
-                [](const void * p) { return static_cast<const std::vector<T> *>(p)->size(); } });
-        return t;
+    // a new input tensor filled from v (a vector of the graph's RidgeFill part, or of the pass it
+    // belongs to), as v is when the inputs are set
+    ggml_tensor * add(ggml_context * ctx0, const std::vector<int32_t> & v, const char * name) {
+        sets.push_back({ new_input(ctx0, GGML_TYPE_I32, v.size(), name), &v, nullptr });
+        return sets.back().t;
+    }
+    ggml_tensor * add(ggml_context * ctx0, const std::vector<int64_t> & v, const char * name) {
+        sets.push_back({ new_input(ctx0, GGML_TYPE_I64, v.size(), name), nullptr, &v });
+        return sets.back().t;
     }
 
     const llama_ridgefill_graph & rf;
@@ -79,15 +76,21 @@ public:
     ggml_tensor * rk_rows     = nullptr;
 
 private:
-    struct input_set {
-        ggml_tensor * t;
-        const void  * vec;                  // the std::vector<T> the tensor is filled from
-        size_t        esize;
-        const void * (*data_of)(const void *);
-        size_t       (*size_of)(const void *);
+    static ggml_tensor * new_input(ggml_context * ctx0, ggml_type type, size_t n, const char * name) {
+        ggml_tensor * t = ggml_new_tensor_1d(ctx0, type, (int64_t) n);
+        ggml_set_input(t);
+        ggml_set_name(t, name);
+        return t;
+    }
 
-        const void * data() const { return data_of(vec); }
-        size_t       size() const { return size_of(vec)*esize; }
+    // an input tensor and the vector it is filled from (one of i32, i64)
+    struct input_set {
+        ggml_tensor                * t;
+        const std::vector<int32_t> * i32;
+        const std::vector<int64_t> * i64;
+
+        const void * data() const { return i32 ? (const void *) i32->data() : (const void *) i64->data(); }
+        size_t       size() const { return i32 ? i32->size()*sizeof(int32_t) : i64->size()*sizeof(int64_t); }
     };
     std::vector<input_set> sets;
 };
@@ -110,7 +113,7 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
 
     if (!rf->gdn) {
         GGML_ASSERT(rf->src_rows.size() == g.ubatch.n_tokens);
-        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, rf->src_rows, "ridgefill_src_rows");
+        ggml_tensor * rows = inp->add(ctx0, rf->src_rows, "ridgefill_src_rows");
 
         ggml_tensor * cur = ggml_get_rows(ctx0, rf->src, rows);
         g.cb(cur, "ridgefill_inp", -1);
@@ -125,17 +128,17 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
     ggml_tensor * x_f = nullptr;
     ggml_tensor * x_x = nullptr;
     if (n_f > 0) {
-        inp->m_f_rows = inp->add(ctx0, GGML_TYPE_I32, rf->m_f_rows, "ridgefill_m_f_rows");
+        inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
         x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, rf->il_begin, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
                 llama_ridgefill_stage_a(ctx0, rf->maps, rf->il_begin));
     }
     if (n_x > 0) {
-        ggml_tensor * rows = inp->add(ctx0, GGML_TYPE_I32, rf->src_rows, "ridgefill_src_rows");
+        ggml_tensor * rows = inp->add(ctx0, rf->src_rows, "ridgefill_src_rows");
         x_x = ggml_get_rows(ctx0, rf->src, rows);
     }
     ggml_tensor * cur = nullptr;
     if (x_f && x_x) {
-        inp->m_perm = inp->add(ctx0, GGML_TYPE_I32, rf->m_perm, "ridgefill_m_perm");
+        inp->m_perm = inp->add(ctx0, rf->m_perm, "ridgefill_m_perm");
         cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
     } else {
         cur = x_f ? x_f : x_x; // one kind of row only: already in position order
@@ -149,7 +152,7 @@ ggml_tensor * llama_ridgefill_build_out_ids(const llm_graph_context & g) {
     if (llama_ridgefill_stops_early(rf, g.n_layer) || rf->out_ids.empty()) {
         return nullptr; // no output: stops early, or a chunk of a recurrent last layer without exact rows
     }
-    return rf_inputs(g)->add(g.ctx0, GGML_TYPE_I32, rf->out_ids, "ridgefill_out_ids");
+    return rf_inputs(g)->add(g.ctx0, rf->out_ids, "ridgefill_out_ids");
 }
 
 // the exact rows among a recurrent late layer's rows (nullptr: every row is exact, or not such a graph)
@@ -160,7 +163,7 @@ static ggml_tensor * rf_gdn_x_ids(const llm_graph_context & g) {
     }
     auto * inp = rf_inputs(g);
     if (!inp->x_ids) {
-        inp->x_ids = inp->add(g.ctx0, GGML_TYPE_I32, rf->x_ids, "ridgefill_x_ids");
+        inp->x_ids = inp->add(g.ctx0, rf->x_ids, "ridgefill_x_ids");
     }
     return inp->x_ids;
 }
@@ -227,10 +230,10 @@ static ggml_tensor * rf_build_gdn_merge(const llm_graph_context & g, int il, ggm
     ggml_context * ctx0 = g.ctx0;
     auto * inp = rf_inputs(g);
     if (!inp->m_f_rows) {
-        inp->m_f_rows = inp->add(ctx0, GGML_TYPE_I32, rf->m_f_rows, "ridgefill_m_f_rows");
+        inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
     }
     if (!inp->m_perm) {
-        inp->m_perm = inp->add(ctx0, GGML_TYPE_I32, rf->m_perm, "ridgefill_m_perm");
+        inp->m_perm = inp->add(ctx0, rf->m_perm, "ridgefill_m_perm");
     }
     ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
             llama_ridgefill_stage_a(ctx0, rf->maps, il));
@@ -258,7 +261,7 @@ bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tenso
     GGML_ASSERT(rf->dst && (int64_t) rf->dst_rows.size() == inpL->ne[1]);
 
     auto * inp = rf_inputs(g);
-    ggml_tensor * rows = inp->add(g.ctx0, GGML_TYPE_I32, rf->dst_rows, "ridgefill_dst_rows");
+    ggml_tensor * rows = inp->add(g.ctx0, rf->dst_rows, "ridgefill_dst_rows");
 
     ggml_tensor * x = inpL->type == rf->dst->type ? inpL : ggml_cast(g.ctx0, inpL, rf->dst->type);
     ggml_build_forward_expand(g.gf, ggml_set_rows(g.ctx0, rf->dst, x, rows));
@@ -381,7 +384,7 @@ static void rf_build_selector(
 
     auto * inp = rf_inputs(g);
     if (!inp->sel_ids) {
-        inp->sel_ids = inp->add(ctx0, GGML_TYPE_I32, rf->sel_ids, "ridgefill_sel_ids");
+        inp->sel_ids = inp->add(ctx0, rf->sel_ids, "ridgefill_sel_ids");
     }
     ggml_tensor * ids = inp->sel_ids;
 
@@ -431,20 +434,20 @@ static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, gg
     ggml_tensor *& t_ids  = key ? inp->rk_ids      : inp->r_ids;
     ggml_tensor *& t_rows = key ? inp->rk_rows     : inp->r_rows;
     if (!t_rows) {
-        t_rows = inp->add(ctx0, GGML_TYPE_I32, key ? rf->rk_rows : rf->r_rows, key ? "ridgefill_k_scale_rows" : "ridgefill_v_scale_rows");
+        t_rows = inp->add(ctx0, key ? rf->rk_rows : rf->r_rows, key ? "ridgefill_k_scale_rows" : "ridgefill_v_scale_rows");
     }
 
     ggml_tensor * xe = nullptr;
     if (il == rf->il_begin) {
         if (!t_src) {
-            t_src = inp->add(ctx0, GGML_TYPE_I32, key ? rf->rk_src_rows : rf->r_src_rows,
+            t_src = inp->add(ctx0, key ? rf->rk_src_rows : rf->r_src_rows,
                     key ? "ridgefill_k_scale_src_rows" : "ridgefill_v_scale_src_rows");
         }
         xe = ggml_get_rows(ctx0, rf->r_src, t_src);
     } else {
         GGML_ASSERT(rf->layer_inp != nullptr);
         if (!t_ids) {
-            t_ids = inp->add(ctx0, GGML_TYPE_I32, key ? rf->rk_ids : rf->r_ids, key ? "ridgefill_k_scale_ids" : "ridgefill_v_scale_ids");
+            t_ids = inp->add(ctx0, key ? rf->rk_ids : rf->r_ids, key ? "ridgefill_k_scale_ids" : "ridgefill_v_scale_ids");
         }
         xe = ggml_get_rows(ctx0, rf->layer_inp, t_ids);
     }
@@ -505,13 +508,13 @@ static void rf_build_fill(
     const int64_t n_pos = fill.pos.size()/n_f;
     GGML_ASSERT((int64_t) fill.pos.size() == n_pos*n_f);
     if (!inp->f_rows) {
-        inp->f_rows = inp->add(ctx0, GGML_TYPE_I32, fill.rows, "ridgefill_f_rows");
-        inp->f_pos  = inp->add(ctx0, GGML_TYPE_I32, fill.pos, "ridgefill_f_pos");
+        inp->f_rows = inp->add(ctx0, fill.rows, "ridgefill_f_rows");
+        inp->f_pos  = inp->add(ctx0, fill.pos, "ridgefill_f_pos");
     }
     ggml_tensor *& cells = swa ? inp->f_cells_swa : inp->f_cells;
     if (!cells) {
         const auto & data = swa ? fill.cells_swa : fill.cells;
-        cells = inp->add(ctx0, GGML_TYPE_I64, data, swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
+        cells = inp->add(ctx0, data, swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
     }
 
     // a transposed V cache (no flash attention) is written element by element
@@ -521,7 +524,7 @@ static void rf_build_fill(
         ggml_tensor *& vidx = swa ? inp->f_vidx_swa : inp->f_vidx;
         if (!vidx) {
             const auto & data = swa ? fill.vidx_swa : fill.vidx;
-            vidx = inp->add(ctx0, GGML_TYPE_I64, data, swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
+            vidx = inp->add(ctx0, data, swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
         }
     }
 

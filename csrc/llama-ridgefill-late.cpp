@@ -467,11 +467,12 @@ std::string llama_ridgefill_context::run_probe(const llama_ridgefill_plan & p, c
 //
 
 int llama_ridgefill_context::finish() {
-    const int64_t t_start_us = ggml_time_us();
-
     // the early phase's graphs may still run (llama_context::decode does not wait): the selector's
-    // scores are read below
+    // scores are read below. The wait is the early phase's compute, so it counts there
+    const int64_t t_sync_us = ggml_time_us();
     ggml_backend_sched_synchronize(lctx.get_sched());
+    const int64_t t_start_us = ggml_time_us();
+    timing.early_us += t_start_us - t_sync_us;
 
     const llama_hparams & hparams = model.hparams;
     const llama_ridgefill_plan p = plan;

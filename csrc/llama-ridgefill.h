@@ -202,7 +202,8 @@ extern "C" {
         int32_t   n_late_built;
         int32_t   n_late_reused;
         // where the plan's time went (ms): the early phase (its ubatches: graph, inputs, launch and,
-        // where the backend computes synchronously, compute); within the late phase its graphs' build,
+        // where the backend computes synchronously, compute; then the wait for its last graphs when
+        // the late phase starts, the rest of its compute); within the late phase its graphs' build,
         // alloc, set_input, compute (launch, and compute where synchronous) and wait (for results read
         // back); other = t_late_ms minus those five (selection, cells, memory contexts, read-backs)
         double    t_early_ms;

@@ -290,6 +290,38 @@ def test_early_graphs_reused_without_the_selector(arch, tiny_models, oracles, pr
         llm.close()
 
 
+@pytest.mark.parametrize("steps", [1, 2])
+def test_early_graphs_reused_while_the_cells_fill(steps, tiny_models, oracles, map_files, monkeypatch):
+    """A prompt of 600 rows: stock prefill's KV extent grows with the cells used (padded to 256), so
+    its ubatches change shape and rebuild; LLAMA_RIDGEFILL_EARLY_GRAPHS=k lets the early phase's
+    extent grow in k steps instead, and its ubatches reuse k graphs. The logits stay those of the
+    growing extent (the mask hides the cells not written yet)."""
+    arch = "llama"
+    tokens = evaluation_tokens(tiny_models[arch], 600)
+    rf = RidgeFill(map_files[arch], tail=TAIL, min_prompt=0)
+    kw = ctx_kwargs(n_ctx=1024, n_batch=256, n_ubatch=64)
+    out = {}
+    for k in (0, steps):
+        monkeypatch.setenv("LLAMA_RIDGEFILL_EARLY_GRAPHS", str(k))
+        llm = Llama(str(tiny_models[arch]), ridgefill=rf, **kw)
+        try:
+            llm.eval(tokens)  # calls of 256, 256, 88 rows; the selector's query rows are 536..599
+            out[k] = (llm.ridgefill_stats["graphs"], last_logits(llm))
+        finally:
+            llm.close()
+    # 8 ubatches of 64 rows before the query rows, then 2 holding them (64 and 24 rows). Extents: the
+    # cells used after the ubatch, padded to 256 (stock), rounded up to a step of the plan's extent
+    # (768 cells: 600 rows padded) cut in k
+    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+    stock = [pad(64 * (i + 1), 256) for i in range(8)]
+    step = pad(-(-768 // steps), 256)
+    extents = [min(768, pad(e, step)) for e in stock]
+    assert out[0][0]["early_built"] == len(set(stock)) + 2 == 4 and out[0][0]["early_reused"] == 6
+    assert out[steps][0]["early_built"] == len(set(extents)) + 2 and out[steps][0]["early_reused"] == 8 - len(set(extents))
+    assert len(set(extents)) == 1
+    assert rel(out[steps][1], out[0][1]) < 1e-5
+
+
 def _reuse_scenario(path, rf, prompt) -> tuple[list[np.ndarray], list[dict]]:
     """Stock prompt rows, then a plan whose first early ubatch has the shape of the stock graph before
     it, then generated rows (stock graphs after early ones): the logits of each step and the plan's

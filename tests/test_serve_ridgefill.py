@@ -152,6 +152,7 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     # the plan's accounting, as Llama.ridgefill_stats has it
     assert set(st["graphs"]) == set(lib[2]["graphs"]) and st["graphs"]["late_built"] == lib[2]["graphs"]["late_built"] > 0
     assert set(st["times_ms"]) == set(lib[2]["times_ms"]) and st["times_ms"]["late"] == st["late_ms"]
+    assert st["late_rows"] == lib[2]["late_rows"] and st["late_rows"]["attention"] > 0
     # GET /props tells clients the server's settings
     props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
     assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "min_prompt": 64}

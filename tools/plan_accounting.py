@@ -43,7 +43,7 @@ def _stock_graphs(llm, tokens) -> tuple[dict, float]:
     return {"built": ubatches - reused, "reused": reused}, wall
 
 
-def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> list[dict]:
+def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int, stock_too: bool = True) -> list[dict]:
     from gpu_check import SPEED_SHAPES, speed_shape_model
     from ridgefill_cpp import Llama, RidgeFill
     from ridgefill_cpp.bench import prompt_tokens, warm_up
@@ -58,12 +58,12 @@ def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> 
         kw = dict(n_ctx=max(lengths) + 16, n_batch=N_BATCH, n_ubatch=N_UBATCH, n_threads=threads,
                   n_threads_batch=threads, n_gpu_layers=n_gpu_layers, verbose=False)
         llm = Llama(str(model), ridgefill=RidgeFill.identity(split, min_prompt=0), **kw)
-        stock = Llama(str(model), **kw)
+        stock = Llama(str(model), **kw) if stock_too else None
         try:
             prompt = prompt_tokens(llm, max(lengths))
-            warm_up([llm, stock], prompt[:600])
+            warm_up([m for m in (llm, stock) if m is not None], prompt[:600])
             for n in lengths:
-                stock_graphs, stock_ms = _stock_graphs(stock, prompt[:n])
+                stock_graphs, stock_ms = _stock_graphs(stock, prompt[:n]) if stock else ({}, float("nan"))
                 wall = _timed_eval(llm, prompt[:n])
                 st = dict(llm.ridgefill_stats)
                 tm = st["times_ms"]
@@ -75,7 +75,8 @@ def measure(shape: str, lengths: list[int], threads: int, n_gpu_layers: int) -> 
                 print(json.dumps(row), flush=True)
         finally:
             llm.close()
-            stock.close()
+            if stock:
+                stock.close()
     return rows
 
 
@@ -87,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="1024,8192")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-gpu-layers", type=int, default=0)
+    ap.add_argument("--no-stock", action="store_true", help="RidgeFill only (no stock prefill beside it)")
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = [r for s in (args.shape or ["small"]) for r in measure(s, lengths, args.threads, args.n_gpu_layers)]
+    rows = [r for s in (args.shape or ["small"])
+            for r in measure(s, lengths, args.threads, args.n_gpu_layers, stock_too=not args.no_stock)]
     if args.json:
         from ridgefill_cpp.files import write_bytes
 
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         g, t, sg = r["graphs"], r["times_ms"], r["stock"]["graphs"]
-        print(f"| {r['shape']} | {r['n']} | {sg['built']} (+{sg['reused']} reused) | {r['stock']['prefill_ms']:.1f} "
+        stock = f"{sg['built']} (+{sg['reused']} reused)" if sg else "-"
+        print(f"| {r['shape']} | {r['n']} | {stock} | {r['stock']['prefill_ms']:.1f} "
               f"| {g['early_built']} (+{g['early_reused']} reused) | {g['late_built']} (+{g['late_reused']}) "
               f"| {t['early']:.1f} | {t['late']:.1f} | {t['build']:.1f} | {t['alloc']:.1f} | {t['set_input']:.1f} "
               f"| {t['compute']:.1f} | {t['wait']:.1f} | {t['other']:.1f} | {r['prefill_ms']:.1f} "
