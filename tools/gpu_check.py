@@ -47,6 +47,9 @@ SPEED_SHAPES = {
     # a dense llama with Llama-3-8B's layer shapes (d 4096, 32/8 heads of 128, FFN 14336), 12 layers
     "8b-width-llama": dict(arch="llama", n_ctx=32768, n_embd=4096, n_layer=12, n_head=32, n_head_kv=8, head_dim=128,
                            n_ff=14336, qkv_bias=False, rope_freq_base=500000.0, dtype="f16"),
+    # the same dense llama at the small shape's width (d 768): long prompts on the CPU in seconds
+    "small-llama": dict(arch="llama", n_ctx=32768, n_embd=768, n_layer=12, n_head=6, n_head_kv=2, head_dim=128,
+                        n_ff=2048, qkv_bias=False, rope_freq_base=500000.0, dtype="f16"),
 }
 
 
