@@ -141,6 +141,8 @@ struct llama_ridgefill_context {
     // filled rows per fill step for n_f filled rows: n_ubatch (or params.n_fill_chunk), larger when
     // the steps would not fit the graph's node budget
     int32_t fill_chunk(int32_t n_f) const;
+    // rows of a fill step before the node budget counts: params.n_fill_chunk, or n_ubatch
+    int32_t fill_step_rows() const;
     // the fill steps one graph may hold (the graph's node budget)
     int32_t fill_steps_max() const;
 

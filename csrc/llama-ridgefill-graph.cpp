@@ -104,6 +104,30 @@ static llm_graph_input_ridgefill * rf_inputs(const llm_graph_context & g) {
     return rf->inp;
 }
 
+// the inputs of layer il for the rows of a recurrent late graph, in position order: x̂ of layer il for
+// the filled rows joins x_x, the exact rows' inputs (nullptr: the graph has none)
+static ggml_tensor * rf_merge_rows(const llm_graph_context & g, int il, ggml_tensor * x_x) {
+    const llama_ridgefill_graph * rf = g.rf;
+    if (rf->m_f_rows.empty()) {
+        return x_x; // every row is exact
+    }
+    GGML_ASSERT(x_x == nullptr || x_x->ne[1] == (int64_t) rf->x_ids.size());
+    ggml_context * ctx0 = g.ctx0;
+    auto * inp = rf_inputs(g);
+    if (!inp->m_f_rows) {
+        inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
+    }
+    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
+            llama_ridgefill_stage_a(ctx0, rf->maps, il));
+    if (x_x == nullptr) {
+        return x_f; // every row is filled: already in position order
+    }
+    if (!inp->m_perm) {
+        inp->m_perm = inp->add(ctx0, rf->m_perm, "ridgefill_m_perm");
+    }
+    return ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
+}
+
 ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
     const llama_ridgefill_graph * rf = g.rf;
     GGML_ASSERT(llama_ridgefill_is_late(rf) && rf->src);
@@ -125,24 +149,13 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
     const int64_t n_x = rf->src_rows.size();
     GGML_ASSERT(n_f + n_x == g.ubatch.n_tokens && rf->m_perm.size() == g.ubatch.n_tokens);
 
-    ggml_tensor * x_f = nullptr;
     ggml_tensor * x_x = nullptr;
-    if (n_f > 0) {
-        inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
-        x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, rf->il_begin, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
-                llama_ridgefill_stage_a(ctx0, rf->maps, rf->il_begin));
-    }
     if (n_x > 0) {
         ggml_tensor * rows = inp->add(ctx0, rf->src_rows, "ridgefill_src_rows");
         x_x = ggml_get_rows(ctx0, rf->src, rows);
     }
-    ggml_tensor * cur = nullptr;
-    if (x_f && x_x) {
-        inp->m_perm = inp->add(ctx0, rf->m_perm, "ridgefill_m_perm");
-        cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
-    } else {
-        cur = x_f ? x_f : x_x; // one kind of row only: already in position order
-    }
+    GGML_ASSERT(n_f > 0 || x_x != nullptr);
+    ggml_tensor * cur = rf_merge_rows(g, rf->il_begin, x_x);
     g.cb(cur, "ridgefill_inp", -1);
     return cur;
 }
@@ -219,29 +232,6 @@ ggml_tensor * llama_ridgefill_build_gdn_rows(const llm_graph_context & g, ggml_t
     return ids ? ggml_get_rows(g.ctx0, x, ids) : x;
 }
 
-// a recurrent late graph's layer after its first: x̂ of layer il for the filled rows joins the exact
-// rows' inputs (the outputs of the layer before), in position order
-static ggml_tensor * rf_build_gdn_merge(const llm_graph_context & g, int il, ggml_tensor * x_x) {
-    const llama_ridgefill_graph * rf = g.rf;
-    if (rf->m_f_rows.empty()) {
-        return x_x; // every row is exact
-    }
-    GGML_ASSERT(x_x != nullptr && x_x->ne[1] == (int64_t) rf->x_ids.size());
-    ggml_context * ctx0 = g.ctx0;
-    auto * inp = rf_inputs(g);
-    if (!inp->m_f_rows) {
-        inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
-    }
-    if (!inp->m_perm) {
-        inp->m_perm = inp->add(ctx0, rf->m_perm, "ridgefill_m_perm");
-    }
-    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
-            llama_ridgefill_stage_a(ctx0, rf->maps, il));
-    ggml_tensor * cur = ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
-    g.cb(cur, "ridgefill_inp", il);
-    return cur;
-}
-
 bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tensor *& inpL) {
     const llama_ridgefill_graph * rf = g.rf;
     if (rf == nullptr) {
@@ -249,7 +239,8 @@ bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tenso
     }
     if (llama_ridgefill_is_late(rf) && il > rf->il_begin && il < rf->il_end) {
         if (rf->gdn) {
-            inpL = rf_build_gdn_merge(g, il, inpL);
+            inpL = rf_merge_rows(g, il, inpL);
+            g.cb(inpL, "ridgefill_inp", il);
         }
         rf->layer_inp = inpL; // the value scale of an attention layer reads its tail rows' inputs here
         return false;

@@ -92,7 +92,7 @@ std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int3
     // tail, the last chunk) and their fill steps fit the graph's node budget together
     int32_t n_att = 1;
     if (n_x <= n_ubatch) {
-        const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : n_ubatch;
+        const int32_t n_chunk = fill_step_rows();
         const int32_t n_steps = fills && n_f > 0 ? (n_f + n_chunk - 1)/n_chunk : 0;
         n_att = n_steps > 0 ? std::max(1, fill_steps_max()/n_steps) : n_layer;
     }
@@ -655,18 +655,18 @@ bool llama_ridgefill_context::reserve() {
     layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
 
     llama_ridgefill_late_graph lg;
-    auto reserve_late = [&](const llama_ridgefill_pass & ps, int32_t l0, int32_t l1) {
-        late_graph(ps, l0, l1, 0, n_tokens, lg);
+    auto reserve_late = [&](const llama_ridgefill_pass & ps, int32_t l0, int32_t l1, int32_t n_rows) {
+        late_graph(ps, l0, l1, 0, n_rows, lg);
         cur = std::move(lg.rf);
         reserve_graph(lg.ub, lg.out_idx.size());
     };
     const int32_t n_f_max = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
     for (int32_t il : layers) {
         if (hparams.is_recr(il)) {
-            reserve_late(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0), il, il + 1);
-            reserve_late(reserve_pass(0, n_tokens, 0), il, il + 1);
+            reserve_late(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0), il, il + 1, n_tokens);
+            reserve_late(reserve_pass(0, n_tokens, 0), il, il + 1, n_tokens);
         } else {
-            reserve_late(reserve_pass(n_f_max, n_tokens, n_query), il, il + 1);
+            reserve_late(reserve_pass(n_f_max, n_tokens, n_query), il, il + 1, n_tokens);
         }
     }
 
@@ -674,7 +674,7 @@ bool llama_ridgefill_context::reserve() {
     // layers, and the runs of attention layers a pass of one chunk of exact rows shares, for each count
     // of fill steps (the most filled rows for that count) and for a pass that does not fill (probe)
     std::map<std::pair<int32_t, int32_t>, int32_t> multi; // (l0, l1) -> filled rows (-1: no fill)
-    const int32_t n_chunk = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) cparams.n_ubatch;
+    const int32_t n_chunk = fill_step_rows();
     for (int32_t n_steps = 0; n_steps <= fill_steps_max(); ++n_steps) {
         const int32_t n_f = std::min(n_f_max, n_steps*n_chunk);
         for (const auto & sg : late_segments(n_tokens, n_steps > 0 ? n_f : 0, n_steps > 0)) {
@@ -686,14 +686,14 @@ bool llama_ridgefill_context::reserve() {
     }
     for (const auto & [sg, n_f] : multi) {
         if (hparams.is_recr(sg.first)) {
-            reserve_late(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0), sg.first, sg.second);
-            reserve_late(reserve_pass(0, n_tokens, 0), sg.first, sg.second);
+            reserve_late(reserve_pass(n_tokens/2, n_tokens - n_tokens/2, 0), sg.first, sg.second, n_tokens);
+            reserve_late(reserve_pass(0, n_tokens, 0), sg.first, sg.second, n_tokens);
         } else if (n_f > 0) {
-            reserve_late(reserve_pass(n_f, n_tokens, n_query), sg.first, sg.second);
+            reserve_late(reserve_pass(n_f, n_tokens, n_query), sg.first, sg.second, n_tokens);
         } else {
             llama_ridgefill_pass ps = reserve_pass(n_f_max, n_tokens, n_query);
             ps.fills = false;
-            reserve_late(ps, sg.first, sg.second);
+            reserve_late(ps, sg.first, sg.second, n_tokens);
         }
     }
     // recurrent late layers: chunks of more rows than n_ubatch (at most n_ubatch of them exact), as many
@@ -741,9 +741,7 @@ bool llama_ridgefill_context::reserve() {
         }
         if (fits) {
             for (const auto & [ps, sg] : graphs) {
-                late_graph(*ps, sg.l0, sg.l1, 0, n_rows, lg);
-                cur = std::move(lg.rf);
-                reserve_graph(lg.ub, lg.out_idx.size());
+                reserve_late(*ps, sg.l0, sg.l1, n_rows);
             }
             n_late_rows_recr = n_rows;
         }
@@ -763,9 +761,12 @@ int32_t llama_ridgefill_context::fill_steps_max() const {
     return std::max<int32_t>(1, ((int32_t) lctx.graph_max_nodes(n_ubatch)/2 - 256)/40);
 }
 
+int32_t llama_ridgefill_context::fill_step_rows() const {
+    return params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) lctx.get_cparams().n_ubatch;
+}
+
 int32_t llama_ridgefill_context::fill_chunk(int32_t n_f) const {
-    const uint32_t n_ubatch  = lctx.get_cparams().n_ubatch;
-    const int32_t  max_steps = fill_steps_max();
-    const int32_t  n_chunk   = params.n_fill_chunk > 0 ? params.n_fill_chunk : (int32_t) n_ubatch;
+    const int32_t max_steps = fill_steps_max();
+    const int32_t n_chunk   = fill_step_rows();
     return std::max({ 1, n_chunk, (n_f + max_steps - 1)/max_steps });
 }
