@@ -218,6 +218,13 @@ struct llama_ridgefill_context {
 // the RidgeFill of a context for a C API function; nullptr (with the error recorded) when none is attached
 llama_ridgefill_context * llama_ridgefill_get(llama_context * ctx, const char * func);
 
+// the RPC servers (host:port, comma-separated) of the model's devices whose connection failed; ""
+// when none did (llama-ridgefill-rpc.cpp)
+std::string llama_ridgefill_lost_servers(const llama_model & model);
+
+// whether some of the model's devices are RPC devices
+bool llama_ridgefill_uses_rpc(const llama_model & model);
+
 // copy up to n elements of v to out (when out is not NULL); the number of elements there are
 template <typename T>
 int32_t llama_ridgefill_copy_out(const std::vector<T> & v, T * out, int32_t n) {

@@ -484,7 +484,9 @@ int llama_ridgefill_context::finish() {
     const int32_t n_prefix = N - T;
 
     auto fail = [&](const std::string & msg) {
-        llama_ridgefill_set_error("llama_decode", msg + "; the prompt's rows are removed");
+        const std::string lost = llama_ridgefill_lost_servers(model);
+        llama_ridgefill_set_error("llama_decode", (lost.empty() ? msg : format("%s: RPC server %s stopped responding, "
+                "the model's tensors there are lost", msg.c_str(), lost.c_str())) + "; the prompt's rows are removed");
         lctx.get_memory()->seq_rm(p.seq_id, p.pos0, -1);
         lctx.graph_forget(false);
         cur = {};
@@ -525,6 +527,13 @@ int llama_ridgefill_context::finish() {
         llama_ridgefill_pass ps = make_pass(p.seq_id, p.pos0, std::move(cells), std::move(cells_swa), is_exact, T);
         ps.out_rows = p.out_rows;
         err = run_pass(ps);
+    }
+    if (err.empty() && llama_ridgefill_uses_rpc(model)) {
+        // a server lost during the last graphs fails no compute call: it shows when they are done
+        ggml_backend_sched_synchronize(lctx.get_sched());
+        if (!llama_ridgefill_lost_servers(model).empty()) {
+            err = "the late phase did not complete";
+        }
     }
     if (!err.empty()) {
         return fail(err);

@@ -282,6 +282,23 @@ extern "C" {
     // the message of the last failed RidgeFill call on this thread ("" after a success)
     LLAMA_API const char * llama_ridgefill_last_error(void);
 
+    //
+    // several machines: llama.cpp's RPC backend (ggml-rpc-server workers, docs/design.md §6.5)
+    //
+
+    // The devices a model split over the RPC servers `servers` ("host:port[,host:port...]") uses,
+    // for llama_model_params.devices, in the order llama.cpp's --rpc gives them: the servers'
+    // devices in the order listed, then this machine's GPUs (the CPU needs no entry). Connects to
+    // each server. Writes at most n_max devices to devs, NULL-terminated when there is room; returns
+    // how many there are, or -1 (malformed list, a server that does not answer, no RPC backend).
+    LLAMA_API int32_t llama_ridgefill_rpc_devices(const char * servers, ggml_backend_dev_t * devs, int32_t n_max);
+
+    // The RPC servers (comma-separated host:port) of the model's devices whose connection failed:
+    // the model's tensors there are lost, so every later decode fails until the model is loaded again
+    // once they are back. "" when none (or the model uses no RPC device). Valid until the next call
+    // on this thread.
+    LLAMA_API const char * llama_ridgefill_lost_rpc_servers(const struct llama_model * model);
+
 #ifdef __cplusplus
 }
 #endif

@@ -336,3 +336,14 @@ def llama_ridgefill_read_kv(ctx, il: int, seq_id: int, pos, n: int, k_out, v_out
 # LLAMA_API int32_t llama_ridgefill_get_key_scales(struct llama_context * ctx, float * out, int32_t n);
 @ctypes_function("llama_ridgefill_get_key_scales", [llama_context_p, _float_p, ctypes.c_int32], ctypes.c_int32)
 def llama_ridgefill_get_key_scales(ctx, out, n: int, /) -> int: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_rpc_devices(const char * servers, ggml_backend_dev_t * devs, int32_t n_max);
+@ctypes_function("llama_ridgefill_rpc_devices", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32],
+                 ctypes.c_int32)
+def llama_ridgefill_rpc_devices(servers: bytes, devs, n_max: int, /) -> int: ...
+
+
+# LLAMA_API const char * llama_ridgefill_lost_rpc_servers(const struct llama_model * model);
+@ctypes_function("llama_ridgefill_lost_rpc_servers", [_llama.llama_model_p_ctypes], ctypes.c_char_p)
+def llama_ridgefill_lost_rpc_servers(model, /) -> bytes: ...

@@ -25,7 +25,7 @@ import llama_cpp
 import numpy as np
 
 from . import _native as N
-from . import settings
+from . import rpc, settings
 from ._limits import MAX_THREADS, check_int
 from .files import not_regular
 from .gguf_model import GGUFFileError, read_metadata, read_model_info
@@ -190,8 +190,9 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *args: Any, ridgefill: RidgeFill | str | os.PathLike | None = None,
-                 **kwargs: Any):
+                 rpc_servers: str | Sequence[str] | None = None, **kwargs: Any):
         self._rf: RidgeFill | None = None
+        self.rpc_servers: str | None = None  # set below, once the servers answer
         self._rf_maps: NativeMaps | None = None
         #: every map file loaded for this context, by (path, split, host): reused, freed at close()
         self._rf_loaded: dict[tuple[str, int | None, bool], NativeMaps] = {}
@@ -203,7 +204,7 @@ class Llama(llama_cpp.Llama):
             if kwargs.get(name) is not None:
                 check_int(name, kwargs[name], 1, MAX_THREADS, "; llama.cpp's GGML_MAX_N_THREADS is the most")
         if ridgefill is None:
-            super().__init__(model_path, *args, **kwargs)
+            self._load(model_path, args, kwargs, rpc_servers)
             return
 
         rf = as_ridgefill(ridgefill)
@@ -213,12 +214,38 @@ class Llama(llama_cpp.Llama):
             # sliding-window layers of filled and exact rows need every cell of the prompt kept
             kwargs["swa_full"] = True
 
-        super().__init__(model_path, *args, **kwargs)
+        self._load(model_path, args, kwargs, rpc_servers)
         try:
             self.set_ridgefill(rf)
         except Exception:
             self.close()
             raise
+
+    def _load(self, model_path: str, args: tuple, kwargs: dict[str, Any], rpc_servers) -> None:
+        """llama-cpp-python's constructor; with ``rpc_servers``, on the devices of those servers (then
+        this machine's GPUs) instead of every device this process has registered."""
+        if rpc_servers is None:
+            super().__init__(model_path, *args, **kwargs)
+            return
+        servers = rpc.server_list(rpc_servers)
+        devices = rpc.model_devices(servers)
+        # llama.cpp's --rpc offloads every layer by default; llama-cpp-python's n_gpu_layers defaults to 0
+        kwargs.setdefault("n_gpu_layers", -1)
+        with rpc.loading_on(devices):
+            super().__init__(model_path, *args, **kwargs)
+        self.rpc_servers = servers
+
+    def _check_rpc(self, n_past: int, error: BaseException | None = None) -> None:
+        """After evaluating rows from ``n_past`` on: when a server of the model stopped answering,
+        remove those rows (computed without its layers) and raise
+        :class:`~ridgefill_cpp.rpc.RpcServerLost`."""
+        if self.rpc_servers is None or self._model is None:
+            return
+        lost = rpc.lost_servers(self._model.model)
+        if lost:
+            self._ctx.kv_cache_seq_rm(-1, n_past, -1)
+            self.n_tokens = min(self.n_tokens, n_past)
+            raise rpc.RpcServerLost(lost) from error
 
     def close(self) -> None:
         if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama-cpp-python ran
@@ -276,10 +303,17 @@ class Llama(llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)
-        if self._rf is None or len(tokens) <= 1:
-            # no RidgeFill, or a generated token: every layer runs
-            return super().eval(tokens)
-        self.prefill(tokens, n_logits=1)
+        if self._rf is not None and len(tokens) > 1:
+            self.prefill(tokens, n_logits=1)
+            return
+        # no RidgeFill, or a generated token: every layer runs
+        n_past = self.n_tokens
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            self._check_rpc(n_past, e)
+            raise
+        self._check_rpc(n_past)
 
     def prefill(self, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
         """Evaluate ``tokens`` after the ``n_tokens`` already in the context, as :meth:`eval` does,
@@ -313,13 +347,17 @@ class Llama(llama_cpp.Llama):
                 if N.llama_ridgefill_set_exact(ctx, pos, len(self._rf.positions)) != 0:
                     N.llama_ridgefill_cancel(ctx)
                     raise ValueError(f"RidgeFill: {_last_error()}")
-        t0 = time.perf_counter()
+        t0, n_past = time.perf_counter(), self.n_tokens
         try:
             logits = self._decode(tokens, n_logits)
-        except BaseException:
+        except BaseException as e:
             if planned:
                 N.llama_ridgefill_cancel(ctx)
+            self._check_rpc(n_past, e)
+            if planned and isinstance(e, RuntimeError) and _last_error():
+                raise RuntimeError(f"{e}: RidgeFill: {_last_error()}") from e
             raise
+        self._check_rpc(n_past)
         if planned:
             self.ridgefill_stats = self._read_stats((time.perf_counter() - t0) * 1000.0)
         return logits
