@@ -296,6 +296,10 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
             ggml_backend_buffer_type_t buft = nullptr;
             if (params.host) {
                 buft = ggml_backend_dev_host_buffer_type(dev);
+                if (buft == nullptr && dev != nullptr && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+                    // a device without host buffers (an RPC server): this machine's memory
+                    buft = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+                }
             }
             if (buft == nullptr) {
                 buft = ggml_backend_dev_buffer_type(dev);

@@ -124,3 +124,13 @@ const char * llama_ridgefill_lost_rpc_servers(const struct llama_model * model) 
     lost = model ? llama_ridgefill_lost_servers(*model) : "";
     return lost.c_str();
 }
+
+const char * llama_ridgefill_layer_device(const struct llama_model * model, int32_t il) {
+    static thread_local std::string name;
+    if (model == nullptr || il < 0 || il >= (int32_t) model->hparams.n_layer()) {
+        return nullptr;
+    }
+    ggml_backend_dev_t dev = model->dev_layer(il);
+    name = format("%s (%s)", ggml_backend_dev_name(dev), ggml_backend_dev_description(dev));
+    return name.c_str();
+}

@@ -299,6 +299,10 @@ extern "C" {
     // on this thread.
     LLAMA_API const char * llama_ridgefill_lost_rpc_servers(const struct llama_model * model);
 
+    // The device layer il of the model lives on, "NAME (DESCRIPTION)": "CPU (...)", "RPC0 (host:port)",
+    // "CUDA0 (...)"; NULL for il out of [0, n_layer). Valid until the next call on this thread.
+    LLAMA_API const char * llama_ridgefill_layer_device(const struct llama_model * model, int32_t il);
+
 #ifdef __cplusplus
 }
 #endif

@@ -243,7 +243,12 @@ class Llama(llama_cpp.Llama):
             return
         lost = rpc.lost_servers(self._model.model)
         if lost:
-            self._ctx.kv_cache_seq_rm(-1, n_past, -1)
+            mem = llama_cpp.llama_get_memory(self._ctx.ctx)
+            llama_cpp.llama_memory_seq_rm(mem, 0, n_past, -1)
+            if llama_cpp.llama_memory_seq_pos_max(mem, 0) >= n_past:
+                # a recurrent state cannot be rolled back to n_past: the whole sequence goes
+                llama_cpp.llama_memory_seq_rm(mem, 0, 0, -1)
+                n_past = 0
             self.n_tokens = min(self.n_tokens, n_past)
             raise rpc.RpcServerLost(lost) from error
 
@@ -462,6 +467,14 @@ class Llama(llama_cpp.Llama):
         """The attention selector's scores of the last RidgeFill prefill, one per prompt row (empty when
         no scores were measured)."""
         return self._floats(N.llama_ridgefill_get_scores)
+
+    def layer_devices(self) -> list[str]:
+        """The device each layer lives on, as ``"NAME (DESCRIPTION)"``: ``"CPU (...)"`` on this
+        machine, ``"RPC0 (host:port)"`` on an RPC server (``rpc_servers``), ``"CUDA0 (...)"`` ..."""
+        out = []
+        while (name := N.llama_ridgefill_layer_device(self._model.model, len(out))) is not None:
+            out.append(name.decode(errors="replace"))
+        return out
 
     def read_kv(self, layer: int, positions: Sequence[int]):
         """K and V cache rows of ``layer`` at ``positions`` (sequence 0) as float32 arrays

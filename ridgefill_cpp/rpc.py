@@ -10,8 +10,8 @@ them like llama.cpp's own.
 
 A worker serves one host connection at a time. When one stops answering, the model's tensors on it
 are gone: every decode then raises :class:`RpcServerLost` (the process and the context stay up;
-the rows of the failed prompt are removed), until the worker is started again and the model is
-loaded again.
+the rows of the failed call are removed, on hybrid models the whole sequence since a recurrent state
+cannot be rolled back), until the worker is started again and the model is loaded again.
 
 :class:`Worker` starts a ``ggml-rpc-server`` on this machine (tests, measurements, one-machine
 trials).

@@ -1,0 +1,256 @@
+"""RidgeFill over llama.cpp's RPC backend: the tiny model of every supported architecture split
+between this process's CPU and two ``ggml-rpc-server`` workers on loopback (the stock worker of the
+same llama.cpp commit, installed with the package) gives what the same plan gives locally, stock
+likewise; a worker that dies mid-plan gives a clear error, and the process and context stay up.
+
+Every worker binds 127.0.0.1 on a free port and is stopped by its fixture; startup, connection and
+every wait are bounded in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+from prefill_helpers import ctx_kwargs
+from test_mapfile import _maps
+
+import ridgefill_cpp
+import llama_cpp  # noqa: E402  (after ridgefill_cpp: the patched libraries)
+from ridgefill_cpp import Llama, RidgeFill
+from ridgefill_cpp.fingerprint import model_fingerprint
+from ridgefill_cpp.gguf_model import read_model_info
+from ridgefill_cpp.mapfile import write_map_file
+from ridgefill_cpp.rpc import RpcServerLost, Worker, server_list, worker_binary
+
+ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "gpt-oss", "qwen35moe")
+N_PROMPT = 300
+KW = ctx_kwargs(n_ctx=512, n_batch=128, n_ubatch=64)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with Worker(threads=1) as a, Worker(threads=1) as b:
+        yield a, b
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[int]:
+    return [int(t) for t in np.random.default_rng(0).integers(10, 250, size=N_PROMPT)]
+
+
+def _remote(path, workers, **kw) -> Llama:
+    """The model with its first two layers here, the rest (and the output layer) on the two workers."""
+    n_layer = read_model_info(path).n_layer
+    return Llama(str(path), rpc_servers=[w.endpoint for w in workers], n_gpu_layers=n_layer - 1,
+                 tensor_split=[1, 1], **KW, **kw)
+
+
+def _outputs(llm: Llama, tokens, info) -> dict[str, np.ndarray]:
+    """The last 8 rows' logits, K/V of the last attention layer (every row) and, on hybrids, the
+    recurrent state of the last recurrent layer."""
+    out = {"logits": llm.prefill(tokens, n_logits=8)}
+    last_attn = max(il for il in range(info.n_layer) if il not in info.recurrent_layers)
+    out["k"], out["v"] = llm.read_kv(last_attn, list(range(len(tokens))))
+    if info.recurrent_layers:
+        out["state"] = llm.read_state(max(info.recurrent_layers))
+    return out
+
+
+def test_build_has_rpc_backend_and_worker():
+    assert "RPC" in ridgefill_cpp.build_info()["backends"]
+    assert worker_binary().is_file()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_over_workers_matches_local(arch, tiny_models, workers, tokens):
+    path = tiny_models[arch]
+    info = read_model_info(path)
+    split = info.default_split
+    for rf in (None, RidgeFill.identity(split, tail=16, min_prompt=64)):
+        local = Llama(str(path), ridgefill=rf, **KW)
+        try:
+            want, want_stats = _outputs(local, tokens, info), local.ridgefill_stats
+        finally:
+            local.close()
+        remote = _remote(path, workers, ridgefill=rf)
+        try:
+            devices = remote.layer_devices()
+            got, got_stats = _outputs(remote, tokens, info), remote.ridgefill_stats
+        finally:
+            remote.close()
+        # layers 0-1 here, the late layers on both workers
+        assert all(d.startswith("CPU") for d in devices[:2]), devices
+        assert {d.split(" ")[1] for d in devices[2:]} == {f"({w.endpoint})" for w in workers}, devices
+        if rf is not None:
+            assert got_stats["exact_positions"] == want_stats["exact_positions"] and got_stats["n_filled"] > 0
+        for key in want:
+            assert np.isfinite(want[key]).all()
+            scale = max(float(np.abs(want[key]).max()), 1e-6)
+            err = float(np.abs(got[key] - want[key]).max()) / scale
+            assert err <= 1e-5, f"{arch} {'stock' if rf is None else 'ridgefill'} {key}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+@pytest.mark.parametrize("placement", ["resident", "host"])
+def test_maps_on_workers_or_host(arch, placement, tiny_models, workers, tokens, tmp_path):
+    path = tiny_models[arch]
+    info = read_model_info(path)
+    split = info.default_split
+    m = _maps(n_embd=info.n_embd, split=split, n_layer=info.n_layer, arch=info.architecture,
+              fingerprint=model_fingerprint(path))
+    for a in m.a.values():
+        a *= 0.05  # keeps the filled rows' activations in range
+    maps = write_map_file(tmp_path / f"{arch}.ridgefill.gguf", m, dtype="f16")
+    rf = RidgeFill(maps, tail=16, min_prompt=64, placement=placement)
+    local = Llama(str(path), ridgefill=rf, **KW)
+    try:
+        want = _outputs(local, tokens, info)
+    finally:
+        local.close()
+    remote = _remote(path, workers, ridgefill=rf)
+    try:
+        got = _outputs(remote, tokens, info)
+        buffers = remote.ridgefill_memory()["maps_buffers"]
+    finally:
+        remote.close()
+    # resident: with their layers on the workers; host: in this machine's memory
+    assert any(b.startswith("RPC") for b in buffers) == (placement == "resident"), buffers
+    for key in want:
+        scale = max(float(np.abs(want[key]).max()), 1e-6)
+        assert float(np.abs(got[key] - want[key]).max()) / scale <= 1e-5, key
+
+
+def test_bad_server_lists_are_refused_before_loading(tiny_models):
+    with pytest.raises(ValueError, match="is not host:port"):
+        server_list("127.0.0.1")
+    with pytest.raises(ValueError, match="is not host:port"):
+        Llama(str(tiny_models["llama"]), rpc_servers="127.0.0.1:notaport", **KW)
+    # nothing listens there (a port just freed): a clear error, not an abort
+    with Worker(threads=1) as w:
+        endpoint = w.endpoint
+    with pytest.raises(ValueError, match=f"RPC server {endpoint} does not answer"):
+        Llama(str(tiny_models["llama"]), rpc_servers=endpoint, **KW)
+
+
+_ggml_base = ctypes.CDLL(str(ridgefill_cpp.LIB_DIR / "libggml-base.so"))
+_ggml_base.ggml_get_name.argtypes = [ctypes.c_void_p]
+_ggml_base.ggml_get_name.restype = ctypes.c_char_p
+
+
+class _KillAt:
+    """A scheduler eval callback (``llama_context_params.cb_eval``) that, once armed, kills a worker
+    when the scheduler reaches the first node named ``node``: a deterministic point inside a plan.
+    The callback asks for no node's data, so the graphs run as they would without it."""
+
+    def __init__(self, worker: Worker, node: str):
+        self.worker, self.node, self.armed, self.hit = worker, node.encode(), False, False
+        self.cb = llama_cpp.ggml_backend_sched_eval_callback(self._cb)
+
+    def _cb(self, t, ask, _ud):
+        if ask and self.armed and not self.hit and _ggml_base.ggml_get_name(t) == self.node:
+            self.hit = True
+            self.worker.kill()
+        return False
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Contexts created inside get the callback (llama-cpp-python's Llama has no argument for it)."""
+        module = llama_cpp.llama_cpp
+        default = module.llama_context_default_params
+
+        def with_cb():
+            params = default()
+            params.cb_eval = self.cb
+            return params
+
+        module.llama_context_default_params = with_cb
+        try:
+            yield
+        finally:
+            module.llama_context_default_params = default
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+@pytest.mark.parametrize("phase", ["early", "late"])
+def test_worker_dying_mid_plan(arch, phase, tiny_models, tokens):
+    path = tiny_models[arch]
+    info = read_model_info(path)
+    split, last = info.default_split, info.n_layer - 1
+    rf = RidgeFill.identity(split, tail=16, min_prompt=64)
+    with Worker(threads=1) as first, Worker(threads=1) as second:
+        # early: in the plan's second decode call, at the first worker's first layer (below the
+        # split); late: at the last layer (second worker), which only the late phase computes for the
+        # prompt's rows
+        dying = first if phase == "early" else second
+        kill = _KillAt(dying, "")
+        with kill.installed():
+            llm = _remote(path, (first, second), ridgefill=rf)
+        try:
+            devices = llm.layer_devices()
+            il = next(i for i, d in enumerate(devices) if dying.endpoint in d) if phase == "early" else last
+            assert dying.endpoint in devices[il] and (il < split) == (phase == "early"), devices
+            kill.node = f"attn_norm-{il}".encode()
+            llm.prefill(tokens[:100])
+            n0 = llm.n_tokens
+            calls = []
+            decode = llm._ctx.decode
+
+            def counted(batch):
+                calls.append(len(calls))
+                kill.armed = phase == "late" or len(calls) == 2
+                return decode(batch)
+
+            llm._ctx.decode = counted
+            with pytest.raises(RpcServerLost, match=f"RPC server {dying.endpoint} stopped responding"):
+                llm.prefill(tokens[100:])
+            assert kill.hit and (phase == "late" or len(calls) == 2), calls
+            # the rows of the failed prompt are gone, the earlier ones kept (on a hybrid, whose
+            # recurrent state cannot be rolled back, none); the context answers
+            if info.recurrent_layers:
+                n0 = 0
+            assert llm.n_tokens == n0
+            assert llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(llm._ctx.ctx), 0) == n0 - 1
+            assert llm.tokenize(b"still here")
+            # every later decode fails the same way, without hanging or aborting
+            for more in (tokens[100:110], tokens[100:101]):
+                with pytest.raises(RpcServerLost):
+                    llm.eval(more)
+                assert llm.n_tokens == n0
+        finally:
+            llm.close()
+        # the worker back on its port: the model loaded again works
+        dying._want_port = dying.port
+        dying.start()
+        llm = _remote(path, (first, second), ridgefill=rf)
+        try:
+            assert np.isfinite(llm.prefill(tokens)).all()
+        finally:
+            llm.close()
+
+
+def test_same_process_threads_share_a_worker(tiny_models, workers, tokens):
+    """Two models on the same workers in one process share its connection; loaded from two threads."""
+    path = tiny_models["llama"]
+    out, errors = {}, []
+
+    def run(name):
+        try:
+            llm = _remote(path, workers, ridgefill=RidgeFill.identity(3, tail=16, min_prompt=64))
+            try:
+                out[name] = llm.prefill(tokens)
+            finally:
+                llm.close()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(out) == 2
+    np.testing.assert_array_equal(out[0], out[1])
