@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 
 import numpy as np
 import pytest
@@ -232,25 +231,20 @@ def test_worker_dying_mid_plan(arch, phase, tiny_models, tokens):
             llm.close()
 
 
-def test_same_process_threads_share_a_worker(tiny_models, workers, tokens):
-    """Two models on the same workers in one process share its connection; loaded from two threads."""
+def test_two_models_on_the_same_workers(tiny_models, workers, tokens):
+    """Two models of one process on the same workers (they share each worker's one connection), used
+    in turn: each gives what it gives alone."""
     path = tiny_models["llama"]
-    out, errors = {}, []
-
-    def run(name):
-        try:
-            llm = _remote(path, workers, ridgefill=RidgeFill.identity(3, tail=16, min_prompt=64))
-            try:
-                out[name] = llm.prefill(tokens)
-            finally:
-                llm.close()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and len(out) == 2
-    np.testing.assert_array_equal(out[0], out[1])
+    split = read_model_info(path).default_split
+    a = _remote(path, workers, ridgefill=RidgeFill.identity(split, tail=16, min_prompt=64))
+    b = _remote(path, workers)
+    try:
+        alone_a, alone_b = a.prefill(tokens), b.prefill(tokens)
+        for _ in range(2):
+            a.reset()
+            b.reset()
+            np.testing.assert_array_equal(a.prefill(tokens), alone_a)
+            np.testing.assert_array_equal(b.prefill(tokens), alone_b)
+    finally:
+        a.close()
+        b.close()
