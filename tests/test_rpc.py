@@ -248,3 +248,57 @@ def test_two_models_on_the_same_workers(tiny_models, workers, tokens):
     finally:
         a.close()
         b.close()
+
+
+def _server_args(workers, n_layer: int) -> list[str]:
+    from test_serve_ridgefill import TINY_ARGS
+
+    args = list(TINY_ARGS)
+    args[args.index("-ngl") + 1] = str(n_layer - 1)
+    return args + ["--rpc", ",".join(w.endpoint for w in workers), "-ts", "1,1"]
+
+
+def test_server_over_workers_matches_library(tiny_models, workers, tmp_path):
+    """``serve MODEL -- --rpc A,B``: the patched llama-server with the late layers on the workers
+    serves what the library gives locally, RidgeFill and ``"ridgefill": false`` alike."""
+    from test_serve_ridgefill import TINY_RF, _assert_same, _complete, _library, _prompt
+
+    from ridgefill_cpp.serve import Server
+
+    model = tiny_models["llama"]
+    prompt = _prompt(model, 300)
+    rf = RidgeFill.identity(**TINY_RF)
+    args = _server_args(workers, read_model_info(model).n_layer)
+    before = [len(w.log()) for w in workers]
+    with Server(model, rf, extra_args=args, log_path=tmp_path / "s.log", startup_timeout=60) as srv:
+        # the server holds a connection to each worker
+        assert all("Accepted client connection" in w.log()[n:] for w, n in zip(workers, before))
+        res = _complete(srv, prompt)
+        assert res["ridgefill"]["n_filled"] > 0, res.get("ridgefill")
+        _assert_same(res, _library(model, prompt, rf))
+        _assert_same(_complete(srv, prompt, ridgefill=False), _library(model, prompt, None))
+
+
+def test_server_survives_a_lost_worker(tiny_models, tmp_path):
+    """A worker killed under a running server: requests get an error, never a hang or a crash, and the
+    server stays up (``/health``)."""
+    from test_serve_ridgefill import TINY_RF, _get, _post, _prompt
+
+    from ridgefill_cpp.serve import Server
+
+    model = tiny_models["llama"]
+    prompt = _prompt(model, 300)
+    with Worker(threads=1) as a, Worker(threads=1) as b:
+        args = _server_args((a, b), read_model_info(model).n_layer)
+        with Server(model, RidgeFill.identity(**TINY_RF), extra_args=args, log_path=tmp_path / "s.log",
+                    startup_timeout=60) as srv:
+            body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "cache_prompt": False}
+            assert _post(srv.url + "/completion", body)[0] == 200
+            b.kill()
+            for ridgefill in (True, False):
+                status, res = _post(srv.url + "/completion", {**body, "ridgefill": ridgefill}, timeout=60)
+                assert status >= 500 and "error" in res, (status, res)
+                assert _get(srv.url + "/health")[0] == 200
+            assert srv.process.poll() is None
+        log = (tmp_path / "s.log").read_text(errors="replace")
+        assert f"RPC server {b.endpoint}" in log and "stopped responding" in log, log[-3000:]
