@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,3 +304,43 @@ def test_server_survives_a_lost_worker(tiny_models, tmp_path):
             assert srv.process.poll() is None
         log = (tmp_path / "s.log").read_text(errors="replace")
         assert f"RPC server {b.endpoint}" in log and "stopped responding" in log, log[-3000:]
+
+
+def test_cli_rpc_server_is_a_worker(tiny_models, tokens, tmp_path):
+    """``ridgefill-gguf rpc-server`` runs the packaged worker in the foreground (exec): a host uses it."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from ridgefill_cpp.serve import _free_port
+
+    exe = shutil.which("ridgefill-gguf", path=str(Path(sys.executable).parent))
+    port = _free_port("127.0.0.1")
+    proc = subprocess.Popen([exe, "rpc-server", "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.returncode
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the worker did not listen in 30 s"
+                time.sleep(0.05)
+        path = tiny_models["llama"]
+        llm = Llama(str(path), rpc_servers=f"127.0.0.1:{port}", **KW)  # every layer there by default
+        try:
+            assert all(d.startswith("RPC") for d in llm.layer_devices())
+            assert np.isfinite(llm.prefill(tokens)).all()
+        finally:
+            llm.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
