@@ -185,6 +185,41 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
                 (2.0*ggml_nbytes(xs) + ggml_nbytes(scores))/1024.0/1024.0, ggml_backend_dev_name(dev)));
     }
     ggml_backend_buffer_clear(buf.get(), 0);
+
+    // a model split over devices: the early phase writes x_S also into a copy on every other device
+    // that holds a late layer, so that the rows cross to each device once a plan, as the hidden
+    // states of a stock prefill do, and not once for every late layer's graph (docs/design.md §6.5)
+    size_t copies_size = 0;
+    std::vector<ggml_backend_dev_t> copy_devs;
+    for (int32_t il = params.split_layer; il < n_layer; ++il) {
+        ggml_backend_dev_t d = model.dev_layer(il);
+        size_t i = std::find(copy_devs.begin(), copy_devs.end(), d) - copy_devs.begin();
+        if (d != dev && i == copy_devs.size()) {
+            ggml_init_params cp = { /*.mem_size =*/ ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+            ggml_context_ptr c { ggml_init(cp) };
+            ggml_tensor * t = ggml_new_tensor_2d(c.get(), GGML_TYPE_F32, n_embd, n_ctx);
+            ggml_format_name(t, "ridgefill_xs_copy-%zu", i);
+            ggml_backend_buffer_ptr b { ggml_backend_alloc_ctx_tensors_from_buft(c.get(), ggml_backend_dev_buffer_type(d)) };
+            if (!b) {
+                throw std::runtime_error(format("failed to allocate %.1f MiB for a copy of the RidgeFill row buffer on %s",
+                        ggml_nbytes(t)/1024.0/1024.0, ggml_backend_dev_name(d)));
+            }
+            ggml_backend_buffer_clear(b.get(), 0);
+            copies_size += ggml_backend_buffer_get_size(b.get());
+            copy_devs.push_back(d);
+            xs_copies.push_back(t);
+            ctx_copies.push_back(std::move(c));
+            buf_copies.push_back(std::move(b));
+        }
+        if (d != dev) {
+            xs_layer.resize(n_layer, xs);
+            xs_layer[il] = xs_copies[i];
+        }
+    }
+    if (!xs_copies.empty()) {
+        LLAMA_LOG_INFO("%s: RidgeFill late layers on %zu more device(s): copies of x_S there, %.1f MiB\n", __func__,
+                xs_copies.size(), copies_size/1024.0/1024.0);
+    }
     LLAMA_LOG_INFO("%s: RidgeFill attached: split %d of %d, %s, tail %d, selector %s (%.3g, layer %d), value rescale %d, "
             "row buffers %.1f MiB on %s\n", __func__, params.split_layer, n_layer, maps ? "ridge maps" : "identity fill",
             params.n_tail, sel_layer >= 0 ? "attention" : "none", params.exact_fraction, sel_layer, params.n_rescale,
@@ -338,6 +373,7 @@ llama_ridgefill_graph llama_ridgefill_context::base_graph() const {
     g.split = params.split_layer;
     g.xs    = xs;
     g.xx    = xx;
+    g.xs_layer = xs_layer;
     return g;
 }
 
@@ -347,6 +383,7 @@ llama_ridgefill_graph llama_ridgefill_context::early_graph(std::vector<int32_t> 
     g.il_end   = params.split_layer;
     g.dst      = xs;
     g.dst_rows = std::move(dst_rows);
+    g.xs_copies = xs_copies;
     if (!sel_ids.empty()) {
         g.sel_layer = sel_layer;
         g.scores    = scores;

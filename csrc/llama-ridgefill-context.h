@@ -177,6 +177,12 @@ struct llama_ridgefill_context {
     ggml_tensor * xx     = nullptr; // [n_embd, n_ctx]
     ggml_tensor * scores = nullptr; // [n_cells of the selector layer's cache]
 
+    // a copy of xs on each other device that holds a late layer (see the constructor)
+    std::vector<ggml_context_ptr>        ctx_copies;
+    std::vector<ggml_backend_buffer_ptr> buf_copies;
+    std::vector<ggml_tensor *>           xs_copies;
+    std::vector<ggml_tensor *>           xs_layer; // [n_layer]; empty without copies
+
     llama_ridgefill_plan  plan;
     llama_ridgefill_graph cur;
     bool                  graph_active = false;

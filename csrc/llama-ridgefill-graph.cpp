@@ -10,6 +10,7 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <limits>
 
 
@@ -117,7 +118,7 @@ static ggml_tensor * rf_merge_rows(const llm_graph_context & g, int il, ggml_ten
     if (!inp->m_f_rows) {
         inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
     }
-    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, inp->m_f_rows),
+    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), inp->m_f_rows),
             llama_ridgefill_stage_a(ctx0, rf->maps, il));
     if (x_x == nullptr) {
         return x_f; // every row is filled: already in position order
@@ -126,6 +127,14 @@ static ggml_tensor * rf_merge_rows(const llm_graph_context & g, int il, ggml_ten
         inp->m_perm = inp->add(ctx0, rf->m_perm, "ridgefill_m_perm");
     }
     return ggml_get_rows(ctx0, ggml_concat(ctx0, x_f, x_x, 1), inp->m_perm);
+}
+
+// rows [0, max(rows) + 1) of a persistent row buffer (xs, xx): a graph on another device gets a copy
+// of these, not of the whole buffer. (The graphs reserve builds index past the buffer: they get all of
+// it, the most a graph can copy.)
+static ggml_tensor * rf_used_rows(ggml_context * ctx0, ggml_tensor * buf, const std::vector<int32_t> & rows) {
+    const int64_t n = rows.empty() ? 1 : std::min<int64_t>(*std::max_element(rows.begin(), rows.end()) + 1, buf->ne[1]);
+    return ggml_view_2d(ctx0, buf, buf->ne[0], n, buf->nb[1], 0);
 }
 
 ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
@@ -139,7 +148,7 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
         GGML_ASSERT(rf->src_rows.size() == g.ubatch.n_tokens);
         ggml_tensor * rows = inp->add(ctx0, rf->src_rows, "ridgefill_src_rows");
 
-        ggml_tensor * cur = ggml_get_rows(ctx0, rf->src, rows);
+        ggml_tensor * cur = ggml_get_rows(ctx0, rf_used_rows(ctx0, rf->src, rf->src_rows), rows);
         g.cb(cur, "ridgefill_inp", -1);
         return cur;
     }
@@ -152,7 +161,7 @@ ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
     ggml_tensor * x_x = nullptr;
     if (n_x > 0) {
         ggml_tensor * rows = inp->add(ctx0, rf->src_rows, "ridgefill_src_rows");
-        x_x = ggml_get_rows(ctx0, rf->src, rows);
+        x_x = ggml_get_rows(ctx0, rf_used_rows(ctx0, rf->src, rf->src_rows), rows);
     }
     GGML_ASSERT(n_f > 0 || x_x != nullptr);
     ggml_tensor * cur = rf_merge_rows(g, rf->il_begin, x_x);
@@ -256,6 +265,11 @@ bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tenso
 
     ggml_tensor * x = inpL->type == rf->dst->type ? inpL : ggml_cast(g.ctx0, inpL, rf->dst->type);
     ggml_build_forward_expand(g.gf, ggml_set_rows(g.ctx0, rf->dst, x, rows));
+    if (rf->dst == rf->xs) {
+        for (ggml_tensor * copy : rf->xs_copies) {
+            ggml_build_forward_expand(g.gf, ggml_set_rows(g.ctx0, copy, x, rows));
+        }
+    }
     return true;
 }
 
@@ -434,7 +448,7 @@ static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, gg
             t_src = inp->add(ctx0, key ? rf->rk_src_rows : rf->r_src_rows,
                     key ? "ridgefill_k_scale_src_rows" : "ridgefill_v_scale_src_rows");
         }
-        xe = ggml_get_rows(ctx0, rf->r_src, t_src);
+        xe = ggml_get_rows(ctx0, rf_used_rows(ctx0, rf->r_src, key ? rf->rk_src_rows : rf->r_src_rows), t_src);
     } else {
         GGML_ASSERT(rf->layer_inp != nullptr);
         if (!t_ids) {
@@ -442,7 +456,7 @@ static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, gg
         }
         xe = ggml_get_rows(ctx0, rf->layer_inp, t_ids);
     }
-    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, t_rows), a);
+    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), t_rows), a);
 
     ggml_tensor * pe = nullptr;
     ggml_tensor * pp = nullptr;
@@ -526,7 +540,7 @@ static void rf_build_fill(
         ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc*n_pos, i0*n_pos*ggml_element_size(inp->f_pos));
         ggml_tensor * kidx = ggml_view_1d(ctx0, cells,       nc, i0*ggml_element_size(cells));
 
-        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs, rows), a);
+        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), rows), a);
 
         ggml_tensor * k = nullptr;
         ggml_tensor * v = nullptr;

@@ -64,6 +64,14 @@ struct llama_ridgefill_graph {
     ggml_tensor * xs = nullptr; // [n_embd, n_ctx] F32, persistent: x_S of planned row (pos - pos0)
     ggml_tensor * xx = nullptr; // [n_embd, n_ctx] F32, persistent: current input of exact row i
 
+    // a model split over devices: the copy of xs on the device of each layer ([n_layer]; empty: xs
+    // serves every layer), and the copies the early phase writes with xs
+    std::vector<ggml_tensor *> xs_layer;
+    std::vector<ggml_tensor *> xs_copies;
+
+    // the x_S rows layer il reads: those on its own device
+    ggml_tensor * xs_at(int il) const { return xs_layer.empty() ? xs : xs_layer[il]; }
+
     // the layers this graph runs: [il_begin, il_end); il_begin > 0 gathers the rows' inputs of layer
     // il_begin from src at src_rows, il_end < n_layer stores the inputs of layer il_end into dst at
     // dst_rows (and the graph has no output)
