@@ -344,3 +344,41 @@ def test_cli_rpc_server_is_a_worker(tiny_models, tokens, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_fill_sends_x_s_once_per_device(tiny_models, tokens, tmp_path):
+    """Late layers on a second worker read x_S from a copy there, written with the early phase: the rows
+    cross once a plan (not once a late layer, and never the whole n_ctx-row buffer). Bytes the worker
+    holding the split layer sends back per prefill, counted by a proxy: RidgeFill's exceed stock's by
+    about one N x n_embd float copy."""
+    from measure_rpc import CountingProxy
+
+    path = tiny_models["llama"]
+    info = read_model_info(path)
+    long = tokens * 7  # 2100 rows in a 4096-row context
+    row_bytes = len(long) * info.n_embd * 4
+    with Worker(threads=1) as a, Worker(threads=1) as b:
+        proxies = [CountingProxy(("127.0.0.1", w.port)) for w in (a, b)]
+        try:
+            # split 3: layers 0-3 on the first worker, the late layers 4-5 on the second
+            llm = Llama(str(path), rpc_servers=[p.endpoint for p in proxies], n_gpu_layers=info.n_layer + 1,
+                        tensor_split=[1, 1], ridgefill=RidgeFill.identity(3, tail=16, min_prompt=64),
+                        **{**KW, "n_ctx": 4096, "n_batch": 2048, "n_ubatch": 512})
+            try:
+                devices = llm.layer_devices()
+                assert a.endpoint in devices[3] and all(b.endpoint in d for d in devices[4:]), devices
+                down = {}
+                for variant in ("stock", "ridgefill", "stock", "ridgefill"):
+                    llm.set_ridgefill(None if variant == "stock" else RidgeFill.identity(3, tail=16, min_prompt=64))
+                    llm.reset()
+                    for p in proxies:
+                        p.take()
+                    llm.eval(long)
+                    down[variant] = proxies[0].take()[1]
+            finally:
+                llm.close()
+        finally:
+            for p in proxies:
+                p.close()
+    assert down["stock"] >= row_bytes  # stock sends the hidden states of layer 4 across once
+    assert down["ridgefill"] <= down["stock"] + 1.5 * row_bytes, (down, row_bytes)
