@@ -366,7 +366,7 @@ def test_fill_sends_x_s_once_per_device(tiny_models, tokens, tmp_path):
                         **{**KW, "n_ctx": 4096, "n_batch": 2048, "n_ubatch": 512})
             try:
                 devices = llm.layer_devices()
-                assert a.endpoint in devices[3] and all(b.endpoint in d for d in devices[4:]), devices
+                assert proxies[0].endpoint in devices[3] and all(proxies[1].endpoint in d for d in devices[4:]), devices
                 down = {}
                 for variant in ("stock", "ridgefill", "stock", "ridgefill"):
                     llm.set_ridgefill(None if variant == "stock" else RidgeFill.identity(3, tail=16, min_prompt=64))
