@@ -63,8 +63,6 @@ public:
     ggml_tensor * f_pos       = nullptr;
     ggml_tensor * f_cells     = nullptr;
     ggml_tensor * f_cells_swa = nullptr;
-    ggml_tensor * f_vidx      = nullptr; // transposed V: one index per element
-    ggml_tensor * f_vidx_swa  = nullptr;
     ggml_tensor * x_ids       = nullptr; // recurrent late layer: the exact rows among the graph's rows
     ggml_tensor * m_f_rows    = nullptr; // ... the xs rows of its filled rows
     ggml_tensor * m_perm      = nullptr; // ... and each row's place among concat(filled, exact)
@@ -135,6 +133,27 @@ static ggml_tensor * rf_merge_rows(const llm_graph_context & g, int il, ggml_ten
 static ggml_tensor * rf_used_rows(ggml_context * ctx0, ggml_tensor * buf, const std::vector<int32_t> & rows) {
     const int64_t n = rows.empty() ? 1 : std::min<int64_t>(*std::max_element(rows.begin(), rows.end()) + 1, buf->ne[1]);
     return ggml_view_2d(ctx0, buf, buf->ne[0], n, buf->nb[1], 0);
+}
+
+// writes v [n_embd_head, n_head, n] into the cells kidx [n] of a transposed V storage [n_embd_v, kv_size]
+// (element e of cell c at e*kv_size + c; one stream), as llama_kv_cache::cpy_v does with an index per
+// element: rows narrower than the storage are padded with zeros, as there
+static ggml_tensor * rf_cpy_v_trans(ggml_context * ctx0, ggml_tensor * v_store, ggml_tensor * v, ggml_tensor * kidx) {
+    const int64_t n        = v->ne[2];
+    const int64_t n_embd   = v->ne[0]*v->ne[1];
+    const int64_t n_planes = v_store->ne[0];
+    const int64_t kv_size  = v_store->ne[1];
+    GGML_ASSERT(ggml_nelements(v_store) == n_planes*kv_size && n_embd <= n_planes);
+
+    ggml_tensor * cur = ggml_cont_2d(ctx0, v, n_embd, n);
+    if (n_embd < n_planes) {
+        cur = ggml_pad(ctx0, cur, n_planes - n_embd, 0, 0, 0);
+    }
+    // [1, n, n_planes]: row i of plane e is element e of row i
+    cur = ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, cur)), 1, n, n_planes);
+    ggml_tensor * planes = ggml_view_3d(ctx0, v_store, 1, kv_size, n_planes,
+            ggml_element_size(v_store), kv_size*ggml_element_size(v_store), 0);
+    return ggml_set_rows(ctx0, planes, cur, kidx);
 }
 
 ggml_tensor * llama_ridgefill_build_inp(const llm_graph_context & g) {
@@ -522,16 +541,12 @@ static void rf_build_fill(
         cells = inp->add(ctx0, data, swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
     }
 
-    // a transposed V cache (no flash attention) is written element by element
-    const bool v_trans = !fill.vidx.empty();
-    const int64_t n_embd_v = v_trans ? (int64_t) (fill.vidx.size()/n_f) : 0;
-    if (v_trans) {
-        ggml_tensor *& vidx = swa ? inp->f_vidx_swa : inp->f_vidx;
-        if (!vidx) {
-            const auto & data = swa ? fill.vidx_swa : fill.vidx;
-            vidx = inp->add(ctx0, data, swa ? "ridgefill_f_vidx_swa" : "ridgefill_f_vidx");
-        }
-    }
+    // a transposed V cache (no flash attention) holds one plane of kv_size values per element of a
+    // row: one set_rows writes a chunk's rows into every plane, its cell indices broadcast over the
+    // planes, where llama_kv_cache::cpy_v takes an index per element (|F| x n_embd_v int64 per layer,
+    // sent to the device with each layer's graph)
+    ggml_tensor * v_trans = fill.v_trans.empty() ? nullptr : fill.v_trans[il];
+    GGML_ASSERT(fill.v_trans.empty() || v_trans != nullptr);
 
     for (int64_t i0 = 0; i0 < n_f; i0 += fill.n_chunk) {
         const int64_t nc = std::min<int64_t>(fill.n_chunk, n_f - i0);
@@ -559,17 +574,12 @@ static void rf_build_fill(
             v = llama_mul_mat_hadamard(ctx0, v, v_rot);
         }
 
-        ggml_tensor * vidx = kidx;
-        if (v_trans) {
-            ggml_tensor * all = swa ? inp->f_vidx_swa : inp->f_vidx;
-            vidx = ggml_view_1d(ctx0, all, nc*n_embd_v, i0*n_embd_v*ggml_element_size(all));
-        }
-
         if (!(fill.splice & LLAMA_RIDGEFILL_SPLICE_K)) {
             ggml_build_forward_expand(g.gf, mctx->cpy_k(ctx0, k, kidx, il));
         }
         if (!(fill.splice & LLAMA_RIDGEFILL_SPLICE_V)) {
-            ggml_build_forward_expand(g.gf, mctx->cpy_v(ctx0, v, vidx, il));
+            ggml_build_forward_expand(g.gf, v_trans ? rf_cpy_v_trans(ctx0, v_trans, v, kidx)
+                                                    : mctx->cpy_v(ctx0, v, kidx, il));
         }
     }
 }

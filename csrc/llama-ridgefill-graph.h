@@ -41,8 +41,8 @@ struct llama_ridgefill_fill {
                                     //   step's rows section-major)
     std::vector<int64_t> cells;     // [|F|] cell of each filled row in the full-attention cache
     std::vector<int64_t> cells_swa; // [|F|] ... in the sliding-window cache (iSWA models)
-    std::vector<int64_t> vidx;      // transposed V cache (no flash attention): [|F| * n_embd_v_gqa]
-    std::vector<int64_t> vidx_swa;  //   element indices, empty otherwise
+    std::vector<ggml_tensor *> v_trans; // [n_layer] a transposed V cache (no flash attention): the V
+                                        //   storage of each late attention layer; empty otherwise
     int32_t n_chunk = 512;          // filled rows per fill step
     int32_t splice  = 0;            // enum llama_ridgefill_splice: keep the cells' K and/or V
 };

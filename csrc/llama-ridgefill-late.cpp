@@ -64,20 +64,13 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
         f.pos = std::move(sections);
     }
     if (caches.base->get_v_trans()) {
-        // a transposed V cache is written element by element
-        const int64_t n_embd_v = hparams.n_embd_v_gqa_max();
-        auto fill_vidx = [&](const llama_kv_cache * kv, const std::vector<int64_t> & c, std::vector<int64_t> & out) {
-            const int64_t kv_size = kv->get_size();
-            out.resize(c.size()*n_embd_v);
-            for (size_t i = 0; i < c.size(); ++i) {
-                for (int64_t e = 0; e < n_embd_v; ++e) {
-                    out[i*n_embd_v + e] = e*kv_size + c[i];
-                }
+        // a transposed V cache is written plane by plane (llama_ridgefill_build_fill)
+        f.v_trans.assign(n_layer, nullptr);
+        for (int32_t il = params.split_layer; il < n_layer; ++il) {
+            if (!hparams.is_recr(il)) {
+                const llama_kv_cache * kv = caches.swa && hparams.is_swa(il) ? caches.swa : caches.base;
+                f.v_trans[il] = kv->get_v_storage(il);
             }
-        };
-        fill_vidx(caches.base, f.cells, f.vidx);
-        if (caches.swa) {
-            fill_vidx(caches.swa, f.cells_swa, f.vidx_swa);
         }
     }
     return ps;

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import socket
 import statistics
 import sys
@@ -26,12 +27,60 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-class CountingProxy:
-    """A loopback TCP proxy to ``target`` (host, port) that counts the bytes of each direction."""
+#: ggml-rpc's commands (enum rpc_cmd of ggml-rpc.cpp) and the layout of its serialised tensor
+RPC_COMMANDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+                "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+                "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR")
+RPC_TENSOR_SIZE, RPC_TENSOR_NAME = 296, slice(228, 292)
 
-    def __init__(self, target: tuple[str, int]):
+
+class CommandTally:
+    """Parses the host -> worker byte stream of ggml-rpc (| cmd: 1 byte | size: 8 bytes | data |)
+    and adds up its bytes by command, and those of SET_TENSOR by the tensor's name (layer numbers
+    dropped: ``kq_mask``, ``ridgefill_f_rows`` ...)."""
+
+    def __init__(self):
+        self.by_cmd: dict[str, int] = {}
+        self.set_by_name: dict[str, int] = {}
+        self._buf = bytearray()
+        self._need = 9  # bytes of the next header
+        self._cmd: int | None = None
+
+    def feed(self, data) -> None:
+        self._buf += data
+        while len(self._buf) >= self._need:
+            if self._cmd is None:
+                self._cmd = self._buf[0]
+                size = int.from_bytes(self._buf[1:9], "little")
+                del self._buf[:9]
+                self._need = size
+                name = RPC_COMMANDS[self._cmd] if self._cmd < len(RPC_COMMANDS) else str(self._cmd)
+                self.by_cmd[name] = self.by_cmd.get(name, 0) + 9 + size
+                self._size = size
+                continue
+            body = bytes(self._buf[:self._need])
+            del self._buf[:self._need]
+            if RPC_COMMANDS[self._cmd] == "SET_TENSOR" and len(body) >= RPC_TENSOR_SIZE:
+                raw = body[RPC_TENSOR_NAME].split(b"\0", 1)[0].decode(errors="replace")
+                key = re.sub(r"-\d+$", "", raw) or "(unnamed)"
+                self.set_by_name[key] = self.set_by_name.get(key, 0) + len(body)
+            self._cmd, self._need = None, 9
+
+    def take(self) -> dict:
+        out = {"by_command": dict(sorted(self.by_cmd.items(), key=lambda kv: -kv[1])),
+               "set_tensor_by_name": dict(sorted(self.set_by_name.items(), key=lambda kv: -kv[1]))}
+        self.by_cmd, self.set_by_name = {}, {}
+        return out
+
+
+class CountingProxy:
+    """A loopback TCP proxy to ``target`` (host, port) that counts the bytes of each direction (and,
+    with ``tally``, what the host's go to: :class:`CommandTally`)."""
+
+    def __init__(self, target: tuple[str, int], tally: bool = False):
         self.target = target
         self.up = self.down = 0  # host -> worker, worker -> host
+        self.tally = CommandTally() if tally else None
         self._lock = threading.Lock()
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -60,6 +109,8 @@ class CountingProxy:
                 dst.sendall(view[:n])
                 with self._lock:
                     setattr(self, way, getattr(self, way) + n)
+                    if way == "up" and self.tally is not None:
+                        self.tally.feed(view[:n])
         except OSError:
             pass
         finally:
@@ -75,6 +126,10 @@ class CountingProxy:
             out, self.up, self.down = (self.up, self.down), 0, 0
         return out
 
+    def take_tally(self) -> dict:
+        with self._lock:
+            return self.tally.take() if self.tally is not None else {}
+
     def close(self) -> None:
         self._listen.close()
 
@@ -83,11 +138,13 @@ def _prefill(llm, tokens, proxies) -> dict:
     llm.reset()
     for p in proxies:
         p.take()
+        p.take_tally()
     t = time.perf_counter()
     llm.eval(tokens)
     ms = (time.perf_counter() - t) * 1000.0
     links = [p.take() for p in proxies]
     return {"ttft_ms": ms, "bytes_up": [u for u, _ in links], "bytes_down": [d for _, d in links],
+            "up_detail": [p.take_tally() for p in proxies],
             "stats": {k: llm.ridgefill_stats.get(k) for k in ("split", "n_filled", "n_exact", "ceiling")}
             if llm.ridgefill_stats else None}
 
@@ -123,7 +180,7 @@ def measure(model: str, maps: str, lengths: list[int], reps: int, worker_threads
                           f"down {sum(r['bytes_down'])/1e6:8.2f} MB", flush=True)
 
     with Worker(threads=worker_threads) as w1, Worker(threads=worker_threads) as w2:
-        proxies = [CountingProxy(("127.0.0.1", w.port)) for w in (w1, w2)]
+        proxies = [CountingProxy(("127.0.0.1", w.port), tally=True) for w in (w1, w2)]
         try:
             t = time.perf_counter()
             llm = Llama(model, rpc_servers=[p.endpoint for p in proxies], n_gpu_layers=info.n_layer + 1,
