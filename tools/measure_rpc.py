@@ -2,13 +2,13 @@
 time to first token side by side, and the bytes that cross each RPC link per prefill (counted by a
 TCP proxy between the host and each worker), issue #19.
 
-Each worker gets a contiguous half of the model's layers (``tensor_split`` 1:1, every layer and the
-output layer offloaded), so the host only embeds the tokens and samples; stock and RidgeFill run
+Each worker gets a contiguous share of the model's layers (``--tensor-split``, 1:1 by default;
+every layer and the output layer offloaded), so the host only embeds the tokens and samples; stock and RidgeFill run
 alternately on the same context (``set_ridgefill``), after a warm-up. Optionally the same model
 runs on this machine alone (``--local``) for the ratio without RPC.
 
     python tools/measure_rpc.py MODEL --maps MAPS [--lengths 2048,8192] [--reps 2] [--worker-threads 1]
-        [--local] [--json out.json]
+        [--tensor-split 1,1] [--local] [--json out.json]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _prefill(llm, tokens, proxies) -> dict:
 
 
 def measure(model: str, maps: str, lengths: list[int], reps: int, worker_threads: int, threads: int,
-            local: bool) -> dict:
+            local: bool, tensor_split: list[float] | None = None) -> dict:
     from ridgefill_cpp import Llama, RidgeFill
     from ridgefill_cpp.bench import prompt_tokens
     from ridgefill_cpp.gguf_model import read_model_info
@@ -163,7 +163,8 @@ def measure(model: str, maps: str, lengths: list[int], reps: int, worker_threads
     prompts: dict[int, list[int]] = {}
     out = {"model": info.name or pathlib.Path(model).name, "architecture": info.architecture, "n_layer": info.n_layer,
            "n_embd": info.n_embd, "maps": str(maps), "lengths": lengths, "reps": reps,
-           "worker_threads": worker_threads, "host_threads": threads, "rpc": [], "local": []}
+           "worker_threads": worker_threads, "host_threads": threads, "tensor_split": tensor_split or [1, 1],
+           "rpc": [], "local": []}
 
     def run(llm, proxies, rows):
         prompts.update({n: prompt_tokens(llm, n) for n in lengths if n not in prompts})
@@ -184,7 +185,7 @@ def measure(model: str, maps: str, lengths: list[int], reps: int, worker_threads
         try:
             t = time.perf_counter()
             llm = Llama(model, rpc_servers=[p.endpoint for p in proxies], n_gpu_layers=info.n_layer + 1,
-                        tensor_split=[1, 1], ridgefill=rf, **kw)
+                        tensor_split=tensor_split or [1, 1], ridgefill=rf, **kw)
             out["load_s"] = time.perf_counter() - t
             out["load_bytes_up"] = [p.take()[0] for p in proxies]
             out["layer_devices"] = llm.layer_devices()
@@ -236,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-threads", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="host threads")
     ap.add_argument("--local", action="store_true", help="also run stock vs RidgeFill on this machine alone")
+    ap.add_argument("--tensor-split", default="1,1", help="the two workers' shares of the layers")
     ap.add_argument("--json", type=pathlib.Path)
     a = ap.parse_args(argv)
     out = measure(a.model, a.maps, [int(x) for x in a.lengths.split(",")], a.reps, a.worker_threads, a.threads,
-                  a.local)
+                  a.local, [float(x) for x in a.tensor_split.split(",")])
     for r in out["summary"]:
         extra = (f"  MB up/down stock {r['stock_mb_up']:.1f}/{r['stock_mb_down']:.1f}, RidgeFill "
                  f"{r['ridgefill_mb_up']:.1f}/{r['ridgefill_mb_down']:.1f}") if r["where"] == "rpc" else ""
