@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -123,12 +122,6 @@ def lost_servers(model) -> str:
 # workers on this machine
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Worker:
     """A ``ggml-rpc-server`` on this machine, as a context manager: binds ``host`` (loopback by
     default; the RPC protocol has no authentication, so never bind a public address), ``port=0`` picks
@@ -155,28 +148,20 @@ class Worker:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
     def start(self) -> "Worker":
+        from .serve import _new_log, _on_free_port
+
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError("the worker is already running")
         if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="ridgefill-rpc-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        attempts = 3 if self._want_port == 0 else 1
-        for attempt in range(attempts):
-            self.port = self._want_port or _free_port(self.host)
-            try:
-                self._start_once()
-                return self
-            except RuntimeError:
-                # a free port can be taken between our probe and the worker's bind: try another
-                if attempt + 1 < attempts and "Failed to create server socket" in self.log():
-                    continue
-                raise
-        raise AssertionError("unreachable")
+            self.log_path = _new_log("ridgefill-rpc-")
+        _on_free_port(self._want_port, self.host, self._start_on,
+                      lambda: "Failed to create server socket" in self.log())
+        return self
 
-    def _start_once(self) -> None:
+    def _start_on(self, port: int) -> None:
         from .serve import _child_setup, _tail
 
+        self.port = port
         args = [str(worker_binary()), "-H", self.host, "-p", str(self.port)]
         if self.threads is not None:
             args += ["-t", str(int(self.threads))]

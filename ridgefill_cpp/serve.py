@@ -252,6 +252,28 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _new_log(prefix: str) -> Path:
+    """A new empty log file in the temporary directory (kept after the process stops)."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    return Path(name)
+
+
+def _on_free_port(want_port: int, host: str, start: Callable[[int], None], port_taken: Callable[[], bool]) -> None:
+    """``start(port)`` with ``want_port``, or with a free port of ``host`` when it is 0: up to three of
+    them, since another process can take a free port between our probe and the server's bind
+    (``port_taken()`` says whether that is why a start failed)."""
+    attempts = 3 if want_port == 0 else 1
+    for attempt in range(attempts):
+        try:
+            start(want_port or _free_port(host))
+            return
+        except Exception:
+            if attempt + 1 < attempts and port_taken():
+                continue
+            raise
+
+
 def _connect_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to ``host``."""
     if host in ("0.0.0.0", ""):
@@ -399,12 +421,10 @@ class Server:
         if self.process is not None and self.process.poll() is None:
             raise ServerError("the server is already running")
         if self._log_path is None:
-            fd, name = tempfile.mkstemp(prefix="ridgefill-server-", suffix=".log")
-            os.close(fd)
-            self._log_path = Path(name)
-        attempts = 3 if self._want_port == 0 else 1
-        for attempt in range(attempts):
-            self.port = self._want_port or _free_port(self.host)
+            self._log_path = _new_log("ridgefill-server-")
+
+        def start(port: int) -> None:
+            self.port = port
             self.args = server_args(self.model, self.ridgefill, self.host, self.port, self.extra_args,
                                     api_key=self.api_key)
             with open(self._log_path, "ab") as log:
@@ -414,17 +434,12 @@ class Server:
                                       env=server_env(self.api_key, self.extra_args))
             try:
                 self._wait_healthy()
-                return self
-            except ServerError as e:
-                self.stop()
-                # a free port can be taken between our probe and the server's bind: try another
-                if attempt + 1 < attempts and "couldn't bind" in _tail(self._log_path, 20):
-                    continue
-                raise e
             except BaseException:
                 self.stop()
                 raise
-        raise AssertionError("unreachable")
+
+        _on_free_port(self._want_port, self.host, start, lambda: "couldn't bind" in _tail(self._log_path, 20))
+        return self
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
