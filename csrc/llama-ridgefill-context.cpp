@@ -149,6 +149,7 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
 
     n_layer   = (int32_t) hparams.n_layer();
     n_embd    = (int32_t) hparams.n_embd;
+    rpc       = llama_ridgefill_uses_rpc(model);
     const bool attention = params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION ||
                            params.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED;
     sel_layer = attention && params.split_layer < n_layer ? params.sel_layer : -1;
@@ -540,6 +541,17 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
 
 int llama_ridgefill_context::decode_done() {
     if (!plan.active) {
+        // an RPC server lost during the call's last graphs fails no compute call: wait for them, and
+        // fail the call rather than hand out outputs computed without its layers (the planned path
+        // does the same at the end of its late phase)
+        if (rpc) {
+            ggml_backend_sched_synchronize(lctx.get_sched());
+            if (const std::string lost = llama_ridgefill_lost_servers(model); !lost.empty()) {
+                llama_ridgefill_set_error("llama_decode", format("RPC server %s stopped responding, the model's tensors "
+                        "there are lost", lost.c_str()));
+                return -3;
+            }
+        }
         return 0;
     }
     if (!plan.nan_batch_idxs.empty()) {

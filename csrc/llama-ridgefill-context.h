@@ -81,8 +81,9 @@ struct llama_ridgefill_context {
     int32_t graph_reuse_key() const { return graph_active ? cur.reuse_key() : 0; }
 
     // end of a decode call: logits asked for planned rows before the last are NaN (only the last
-    // prompt row has logits); the call that brought the last row runs the late phase. 0, or the
-    // error code decode returns
+    // prompt row has logits); the call that brought the last row runs the late phase; a call of
+    // other rows on a model with RPC devices fails when a server was lost. 0, or the error code
+    // decode returns
     int decode_done();
 
     // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
@@ -159,6 +160,7 @@ struct llama_ridgefill_context {
     llama_ridgefill_params       params;
 
     int32_t n_layer   = 0;
+    bool    rpc       = false; // some of the model's devices are RPC servers (docs/design.md §6.5)
     int32_t n_embd    = 0;
     int32_t sel_layer = -1; // attention selector layer (-1: selector none)
 

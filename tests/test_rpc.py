@@ -233,6 +233,27 @@ def test_worker_dying_mid_plan(arch, phase, tiny_models, tokens):
             llm.close()
 
 
+def test_worker_lost_in_the_last_graph_of_a_stock_call(tiny_models, tokens):
+    """A worker killed while the last layer of a one-row decode (a generated token) runs fails that
+    llama_decode call itself (-3), not only the next one: with RidgeFill attached the call waits for
+    its graphs when the model has RPC devices."""
+    path = tiny_models["llama"]
+    info = read_model_info(path)
+    with Worker(threads=1) as first, Worker(threads=1) as second:
+        kill = _KillAt(second, f"attn_norm-{info.n_layer - 1}")
+        with kill.installed():
+            llm = _remote(path, (first, second), ridgefill=RidgeFill.identity(info.default_split, tail=16))
+        try:
+            llm.eval(tokens[:20])  # shorter than min_prompt: stock
+            kill.armed = True
+            llm._batch.set_batch(batch=tokens[20:21], n_past=llm.n_tokens, logits_all=False)
+            with pytest.raises(RuntimeError, match="llama_decode returned -3"):
+                llm._ctx.decode(llm._batch)
+            assert kill.hit
+        finally:
+            llm.close()
+
+
 def test_two_models_on_the_same_workers(tiny_models, workers, tokens):
     """Two models of one process on the same workers (they share each worker's one connection), used
     in turn: each gives what it gives alone."""
