@@ -13,7 +13,9 @@ one context of the patched llama.cpp:
   the fill's ΔNLL each removes.
 * **Filled-region retrieval**: a fact ("The access code for NAME is 12345.") planted at several
   depths of the prefix, asked for in the tail; greedy answer; exact vs identity vs ridge, with the
-  planted row filled (selector none) and with the selector on.
+  planted row filled (selector none) and with the selector on. With ``codes`` > 1 each prompt holds
+  that many facts of different names (the others are distractors spread over the filled region),
+  and answers naming a distractor's code are counted apart.
 * **Speed of the same runs**: median exact prefill time over median RidgeFill prefill time.
 * **Split sweep**: with map files for several splits, ΔNLL and speed per split.
 
@@ -59,6 +61,8 @@ class EvalOptions:
     n_docs: int = settings.EVAL_DOCS  # documents per length (spread over the kinds)
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
     names_per_depth: int = 2         # retrieval prompts per depth
+    codes: int = 1                   # facts per retrieval prompt: the one asked for at the depth, the
+                                     #   others (other names: distractors) spread over the filled region
     splice: bool = True
     n_boot: int = 2000
     seed: int = 0
@@ -84,6 +88,8 @@ class EvalOptions:
             settings.check(name, getattr(self, name))
         if len(set(self.selectors)) != len(self.selectors):
             raise ValueError(f"a selector variant is listed twice: {', '.join(self.selectors)}")
+        if not (isinstance(self.codes, int) and 1 <= self.codes <= len(NAMES)):
+            raise ValueError(f"codes {self.codes!r}: facts per retrieval prompt must be an integer in 1..{len(NAMES)}")
 
     def ridgefill(self, maps: os.PathLike | str | None, split: int, selector: str | None = None,
                   **kw) -> RidgeFill:
@@ -453,29 +459,56 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[s
     return conditions
 
 
+def distractor_depths(depth: float, codes: int) -> list[float]:
+    """Where the ``codes - 1`` distractor facts of a prompt whose asked-for fact is at ``depth`` go:
+    evenly spaced around the filled region from it, inside [0.02, 0.98]."""
+    return [0.02 + 0.96 * ((depth + i / codes) % 1.0) for i in range(1, codes)]
+
+
+def plant_facts(bos: list[int], filler: Sequence[int], facts: Sequence[tuple[float, list[int]]],
+                question: list[int], n: int, tail: int) -> list[int]:
+    """An ``n``-token prompt: ``bos``, filler text with each fact (depth in [0, 1], tokens) inserted
+    at that depth of the region before the tail, and ``question`` at the end (inside the tail)."""
+    if len(question) >= tail:
+        raise ValueError(f"the retrieval question ({len(question)} tokens) does not fit the tail ({tail})")
+    n_facts = sum(len(f) for _, f in facts)
+    body = n - len(bos) - n_facts - len(question)
+    region = n - tail - len(bos) - n_facts  # filler rows before the tail
+    if body < 0 or region < 0 or len(filler) < body:
+        raise ValueError(f"{len(facts)} facts and the question do not fit a {n}-token prompt")
+    toks, at = list(bos), 0
+    for depth, fact in sorted(facts, key=lambda f: f[0]):
+        cut = max(at, min(int(round(depth * region)), region))
+        toks += list(filler[at:cut]) + list(fact)
+        at = cut
+    toks += list(filler[at:body]) + list(question)
+    assert len(toks) == n
+    return toks
+
+
 def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
                conditions: dict[str, RidgeFill | None], tick: Ticker) -> dict:
-    """Planted-fact prompts: the fact in the filled region at each depth, the question in the tail."""
+    """Planted-fact prompts: the fact in the filled region at each depth, the question in the tail
+    (with ``options.codes`` > 1, the facts of other names elsewhere in the filled region)."""
     rng = np.random.default_rng(options.seed + n)
     kind = "documentation" if "documentation" in texts else next(iter(texts))
     filler_docs = build_documents(tokenize, [], {kind: texts[kind]}, n, 1)
     filler = filler_docs[0].tokens
-    prompts, answers, depths = [], [], []
+    prompts, answers, others, depths = [], [], [], []
     names = list(NAMES)
     for depth in options.depths:
         for j in range(options.names_per_depth):
-            name = names[(len(prompts)) % len(names)]
-            code = f"{int(rng.integers(10000, 100000))}"
-            fact = tokenize(f" The access code for {name} is {code}. ")
-            question = tokenize(f"\n\nQuestion: What is the access code for {name}?\nAnswer: The access code for {name} is")
-            if len(question) >= options.tail:
-                raise ValueError(f"the retrieval question ({len(question)} tokens) does not fit the tail ({options.tail})")
-            body = n - len(bos) - len(fact) - len(question)
-            at = int(round(depth * (n - options.tail - len(bos) - len(fact))))
-            toks = bos + filler[:at] + fact + filler[at:body] + question
-            assert len(toks) == n
-            prompts.append(toks)
-            answers.append(code)
+            who = [names[(len(prompts) + i) % len(names)] for i in range(options.codes)]
+            codes: list[str] = []  # distinct; with one code, the draws of the single-fact test
+            while len(codes) < options.codes:
+                code = f"{int(rng.integers(10000, 100000))}"
+                codes += [code] if code not in codes else []
+            facts = [(d, tokenize(f" The access code for {name} is {code}. "))
+                     for d, name, code in zip([depth, *distractor_depths(depth, options.codes)], who, codes)]
+            question = tokenize(f"\n\nQuestion: What is the access code for {who[0]}?\nAnswer: The access code for {who[0]} is")
+            prompts.append(plant_facts(bos, filler, facts, question, n, options.tail))
+            answers.append(codes[0])
+            others.append(codes[1:])
             depths.append(depth)
     out = {}
     for cond, rf in conditions.items():
@@ -485,10 +518,13 @@ def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
             preds.append(llm.detokenize(greedy_continuation(llm, logits[-1], 8)).decode(errors="replace"))
             tick(f"retrieval ({cond})")
         correct = metrics.retrieval_correct(preds, answers)
+        # a wrong answer that names another planted code: the model read the wrong fact
+        confused = [not c and any(o in p for o in other) for p, c, other in zip(preds, correct, others)]
         by_depth: dict[str, list[bool]] = {}
         for dep, c in zip(depths, correct):
             by_depth.setdefault(f"{dep:g}", []).append(bool(c))
         acc = metrics.bootstrap_ci(correct.astype(np.float64), n_boot=options.n_boot, seed=options.seed)
-        out[cond] = {"by_depth": by_depth, "accuracy": acc._asdict(), "predictions": preds, "answers": answers}
+        out[cond] = {"by_depth": by_depth, "accuracy": acc._asdict(), "predictions": preds, "answers": answers,
+                     "codes": options.codes, "distractor_answers": int(sum(confused))}
     return out
 

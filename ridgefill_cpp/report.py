@@ -118,15 +118,21 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
             L.append("")
         if n in res.retrieval:
             r = res.retrieval[n]
-            depths = list(next(iter(r.values()))["by_depth"])
+            first = next(iter(r.values()))
+            depths = list(first["by_depth"])
+            codes = first.get("codes", 1)
+            many = (f"; {codes} codes of different names per prompt, the others spread over the filled region, and "
+                    "answers giving one of theirs counted as distractor answers") if codes > 1 else ""
             L.append("**Filled-region retrieval** (a 5-digit access code planted at a depth of the prefix, asked for "
-                     "in the tail, 8 greedy tokens; accuracy with a bootstrap CI over prompts; by depth: correct / "
+                     f"in the tail, 8 greedy tokens{many}; accuracy with a bootstrap CI over prompts; by depth: correct / "
                      "prompts):\n")
-            L.append("| condition | accuracy | " + " | ".join(f"depth {d}" for d in depths) + " |")
-            L.append("|---|---|" + "---|" * len(depths))
+            L.append("| condition | accuracy | " + " | ".join(f"depth {d}" for d in depths) +
+                     (" | distractor answers |" if codes > 1 else " |"))
+            L.append("|---|---|" + "---|" * (len(depths) + (codes > 1)))
             for cond, v in r.items():
                 L.append(f"| {cond} | {_pct(v['accuracy'])} | " +
-                         " | ".join(f"{sum(v['by_depth'][d])}/{len(v['by_depth'][d])}" for d in depths) + " |")
+                         " | ".join(f"{sum(v['by_depth'][d])}/{len(v['by_depth'][d])}" for d in depths) +
+                         (f" | {v['distractor_answers']}/{len(v['answers'])} |" if codes > 1 else " |"))
             L.append("")
     for p in plots:
         L.append(f"![{p}]({p})\n")

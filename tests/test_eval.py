@@ -11,6 +11,7 @@ from ridgefill_cpp import corpus
 from ridgefill_cpp.evaluate import EvalOptions, build_documents, default_texts, evaluate, licence_documents
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.mapfile import write_map_file
+from ridgefill_cpp.report import write_report
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +80,12 @@ def test_eval_quick_writes_a_well_formed_report(tiny_models, tiny_maps, cli, tmp
     assert not list(out.glob(".*.tmp"))
 
 
-def test_exact_against_exact_is_zero(tiny_models, tiny_maps):
+def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
     """Fill variants that run stock prefill (prompts below min_prompt): ΔNLL is exactly 0 on every
-    metric and document, and retrieval answers equal exact's."""
+    metric and document, and retrieval answers equal exact's (three codes a prompt here)."""
     res = evaluate(tiny_models["llama"], [tiny_maps[0]],
                    EvalOptions.quick(min_prompt=10**6, n_docs=3, splice=False, n_threads=1, key_rescale=8,
-                                     selectors=("probe", "protected")))
+                                     selectors=("probe", "protected"), codes=3))
     for v, row in res.paired["1024"].items():
         assert row["novel"]["estimate"] == row["novel"]["low"] == row["novel"]["high"] == 0.0, v
     for v, row in res.summary["1024"].items():
@@ -95,6 +96,37 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps):
             assert all(r["all"][0] == 0.0 for r in recs)
     preds = {c: v["predictions"] for c, v in res.retrieval["1024"].items()}
     assert all(p == preds["exact"] for p in preds.values())
+    wrong = {c: v["distractor_answers"] for c, v in res.retrieval["1024"].items()}
+    assert all(v["codes"] == 3 for v in res.retrieval["1024"].values()) and len(set(wrong.values())) == 1
+    write_report(res, tmp_path / "r", 1.0)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "3 codes of different names per prompt" in md and "| distractor answers |" in md
+
+
+def test_plant_facts():
+    """The facts go in order of depth at their share of the region before the tail, the question
+    ends the prompt, and the distractors of a prompt sit apart from its fact inside the region."""
+    from ridgefill_cpp.evaluate import distractor_depths, plant_facts
+
+    bos, filler, q = [1], list(range(100, 1100)), [7, 7, 7]
+    facts = [(0.5, [-1, -1]), (0.1, [-2]), (0.9, [-3, -3, -3])]
+    toks = plant_facts(bos, filler, facts, q, n=200, tail=20)
+    assert len(toks) == 200 and toks[0] == 1 and toks[-3:] == q
+    region = 200 - 20 - 1 - 6
+    where = {f: toks.index(f) for f in (-1, -2, -3)}
+    assert where[-2] < where[-1] < where[-3] < 200 - 20
+    assert where[-2] == 1 + round(0.1 * region) and where[-1] == 1 + round(0.5 * region) + 1
+    assert [t for t in toks if t >= 100] == filler[:200 - 1 - 6 - 3]  # the filler, in order, once
+    one = plant_facts(bos, filler, [(0.3, [-1])], q, n=200, tail=20)
+    assert one == bos + filler[:round(0.3 * 178)] + [-1] + filler[round(0.3 * 178):195] + q
+    for depth in (0.1, 0.5, 0.9):
+        ds = distractor_depths(depth, 4)
+        assert len(ds) == 3 and all(0.02 <= d <= 0.98 and abs(d - depth) > 0.1 for d in ds)
+    with pytest.raises(ValueError, match="does not fit the tail"):
+        plant_facts(bos, filler, facts, [7] * 20, n=200, tail=20)
+    for bad in (0, 13, 2.0):
+        with pytest.raises(ValueError, match="facts per retrieval prompt"):
+            EvalOptions(codes=bad).check()
 
 
 def test_eval_bad_input(tiny_models, tiny_maps, cli, tmp_path):
