@@ -194,8 +194,11 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
     std::vector<ggml_backend_dev_t> copy_devs;
     for (int32_t il = params.split_layer; il < n_layer; ++il) {
         ggml_backend_dev_t d = model.dev_layer(il);
-        size_t i = std::find(copy_devs.begin(), copy_devs.end(), d) - copy_devs.begin();
-        if (d != dev && i == copy_devs.size()) {
+        if (d == dev) {
+            continue;
+        }
+        const size_t i = std::find(copy_devs.begin(), copy_devs.end(), d) - copy_devs.begin();
+        if (i == copy_devs.size()) {
             ggml_init_params cp = { /*.mem_size =*/ ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
             ggml_context_ptr c { ggml_init(cp) };
             ggml_tensor * t = ggml_new_tensor_2d(c.get(), GGML_TYPE_F32, n_embd, n_ctx);
@@ -212,10 +215,8 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
             ctx_copies.push_back(std::move(c));
             buf_copies.push_back(std::move(b));
         }
-        if (d != dev) {
-            xs_layer.resize(n_layer, xs);
-            xs_layer[il] = xs_copies[i];
-        }
+        xs_layer.resize(n_layer, xs);
+        xs_layer[il] = xs_copies[i];
     }
     if (!xs_copies.empty()) {
         LLAMA_LOG_INFO("%s: RidgeFill late layers on %zu more device(s): copies of x_S there, %.1f MiB\n", __func__,
@@ -539,18 +540,22 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
     return llama_ridgefill_select_rows(in);
 }
 
+std::string llama_ridgefill_context::lost_servers_after_sync() {
+    if (!rpc) {
+        return "";
+    }
+    ggml_backend_sched_synchronize(lctx.get_sched());
+    return llama_ridgefill_lost_servers(model);
+}
+
 int llama_ridgefill_context::decode_done() {
     if (!plan.active) {
-        // an RPC server lost during the call's last graphs fails no compute call: wait for them, and
-        // fail the call rather than hand out outputs computed without its layers (the planned path
-        // does the same at the end of its late phase)
-        if (rpc) {
-            ggml_backend_sched_synchronize(lctx.get_sched());
-            if (const std::string lost = llama_ridgefill_lost_servers(model); !lost.empty()) {
-                llama_ridgefill_set_error("llama_decode", format("RPC server %s stopped responding, the model's tensors "
-                        "there are lost", lost.c_str()));
-                return -3;
-            }
+        // fail the call rather than hand out outputs computed without a lost server's layers (the
+        // planned path does the same at the end of its late phase)
+        if (const std::string lost = lost_servers_after_sync(); !lost.empty()) {
+            llama_ridgefill_set_error("llama_decode", format("RPC server %s stopped responding, the model's tensors "
+                    "there are lost", lost.c_str()));
+            return -3;
         }
         return 0;
     }

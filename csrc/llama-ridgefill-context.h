@@ -80,6 +80,10 @@ struct llama_ridgefill_context {
     // its reuse key (llama_ridgefill_graph::reuse_key; 0: stock)
     int32_t graph_reuse_key() const { return graph_active ? cur.reuse_key() : 0; }
 
+    // a model with RPC devices: wait for the graphs in flight, then the servers lost meanwhile (a loss
+    // during a call's last graphs fails no compute call); "" when none was, or without RPC devices
+    std::string lost_servers_after_sync();
+
     // end of a decode call: logits asked for planned rows before the last are NaN (only the last
     // prompt row has logits); the call that brought the last row runs the late phase; a call of
     // other rows on a model with RPC devices fails when a server was lost. 0, or the error code

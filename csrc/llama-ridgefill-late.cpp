@@ -521,12 +521,8 @@ int llama_ridgefill_context::finish() {
         ps.out_rows = p.out_rows;
         err = run_pass(ps);
     }
-    if (err.empty() && llama_ridgefill_uses_rpc(model)) {
-        // a server lost during the last graphs fails no compute call: it shows when they are done
-        ggml_backend_sched_synchronize(lctx.get_sched());
-        if (!llama_ridgefill_lost_servers(model).empty()) {
-            err = "the late phase did not complete";
-        }
+    if (err.empty() && !lost_servers_after_sync().empty()) {
+        err = "the late phase did not complete";
     }
     if (!err.empty()) {
         return fail(err);
