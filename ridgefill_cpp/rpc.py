@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import llama_cpp
 
@@ -86,30 +86,38 @@ def model_devices(servers: str | Sequence[str]):
     return devs
 
 
-_load_lock = threading.Lock()
+_load_lock = threading.RLock()  # re-entrant: edits of both kinds of parameters may nest
 
 
 @contextlib.contextmanager
-def loading_on(devices) -> Iterator[None]:
-    """While inside, a model that llama-cpp-python loads on this thread gets ``devices`` as its
-    ``llama_model_params.devices`` (llama-cpp-python 0.3.36's ``Llama`` has no argument for it: its
-    parameters start from ``llama_model_default_params()``, which is wrapped here)."""
+def default_params_edited(name: str, edit: Callable[[object], None]) -> Iterator[None]:
+    """While inside, llama-cpp-python's ``llama_cpp.<name>()`` (``llama_model_default_params`` or
+    ``llama_context_default_params``, which its ``Llama`` starts its parameters from) returns the
+    parameters with ``edit(params)`` applied, for calls on this thread: how a ``Llama`` gets a field
+    it has no argument for."""
     module = llama_cpp.llama_cpp
-    default = module.llama_model_default_params
+    default = getattr(module, name)
     thread = threading.get_ident()
 
-    def with_devices():
+    def edited():
         params = default()
         if threading.get_ident() == thread:
-            params.devices = ctypes.cast(devices, ctypes.c_void_p)
+            edit(params)
         return params
 
     with _load_lock:
-        module.llama_model_default_params = with_devices
+        setattr(module, name, edited)
         try:
             yield
         finally:
-            module.llama_model_default_params = default
+            setattr(module, name, default)
+
+
+def loading_on(devices):
+    """While inside, a model that llama-cpp-python loads on this thread gets ``devices`` as its
+    ``llama_model_params.devices`` (llama-cpp-python 0.3.36's ``Llama`` has no argument for it)."""
+    return default_params_edited("llama_model_default_params",
+                                 lambda params: setattr(params, "devices", ctypes.cast(devices, ctypes.c_void_p)))
 
 
 def lost_servers(model) -> str:

@@ -9,7 +9,6 @@ every wait are bounded in time.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from ridgefill_cpp import Llama, RidgeFill
 from ridgefill_cpp.fingerprint import model_fingerprint
 from ridgefill_cpp.gguf_model import read_model_info
 from ridgefill_cpp.mapfile import write_map_file
-from ridgefill_cpp.rpc import RpcServerLost, Worker, server_list, worker_binary
+from ridgefill_cpp.rpc import RpcServerLost, Worker, default_params_edited, server_list, worker_binary
 
 ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "gpt-oss", "qwen35moe")
 N_PROMPT = 300
@@ -157,22 +156,9 @@ class _KillAt:
             self.worker.kill()
         return False
 
-    @contextlib.contextmanager
     def installed(self):
         """Contexts created inside get the callback (llama-cpp-python's Llama has no argument for it)."""
-        module = llama_cpp.llama_cpp
-        default = module.llama_context_default_params
-
-        def with_cb():
-            params = default()
-            params.cb_eval = self.cb
-            return params
-
-        module.llama_context_default_params = with_cb
-        try:
-            yield
-        finally:
-            module.llama_context_default_params = default
+        return default_params_edited("llama_context_default_params", lambda params: setattr(params, "cb_eval", self.cb))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])
