@@ -76,6 +76,9 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
                     params.split_layer);
         }
     }
+    if (params.span < 1 || params.span > LLAMA_RIDGEFILL_MAX_SPAN) {
+        return format("span %d: the selector's span must be 1..%d rows (1: single rows)", params.span, LLAMA_RIDGEFILL_MAX_SPAN);
+    }
     if (params.n_sel_queries < 1) {
         return format("n_sel_queries %d: the attention selector needs at least one query row", params.n_sel_queries);
     }
@@ -222,9 +225,9 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
         LLAMA_LOG_INFO("%s: RidgeFill late layers on %zu more device(s): copies of x_S there, %.1f MiB\n", __func__,
                 xs_copies.size(), copies_size/1024.0/1024.0);
     }
-    LLAMA_LOG_INFO("%s: RidgeFill attached: split %d of %d, %s, tail %d, selector %s (%.3g, layer %d), value rescale %d, "
+    LLAMA_LOG_INFO("%s: RidgeFill attached: split %d of %d, %s, tail %d, selector %s (%.3g, layer %d, span %d), value rescale %d, "
             "row buffers %.1f MiB on %s\n", __func__, params.split_layer, n_layer, maps ? "ridge maps" : "identity fill",
-            params.n_tail, sel_layer >= 0 ? "attention" : "none", params.exact_fraction, sel_layer, params.n_rescale,
+            params.n_tail, sel_layer >= 0 ? "attention" : "none", params.exact_fraction, sel_layer, params.span, params.n_rescale,
             ggml_backend_buffer_get_size(buf.get())/1024.0/1024.0, ggml_backend_dev_name(dev));
 }
 
@@ -512,6 +515,7 @@ std::vector<llama_pos> llama_ridgefill_context::select_exact(const llama_ridgefi
     in.n_prefix = n_prefix;
     in.pos0     = p.pos0;
     in.classes  = params.protected_classes;
+    in.span     = params.span;
 
     // the scores accumulated per cell in the early phase (attention) or the probe pass (probe), for
     // the planned rows
@@ -598,6 +602,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.n_key_rescale  =*/ 0,
         /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_SINK | LLAMA_RIDGEFILL_CLASS_DIGIT,
         /*.state_correction  =*/ LLAMA_RIDGEFILL_STATE_CORRECTION_NONE,
+        /*.span              =*/ 1,
     };
     return p;
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <numeric>
 #include <tuple>
 #include <unordered_map>
@@ -18,11 +19,44 @@ int32_t llama_ridgefill_n_selected(int32_t n_prefix, double fraction) {
     return (int32_t) std::max(0.0, std::min<double>(n_prefix, k));
 }
 
-std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & scores, int32_t n_prefix) {
+void llama_ridgefill_span_extent(int32_t span, int32_t * before, int32_t * after) {
+    GGML_ASSERT(span >= 1);
+    *before = (span - 1)/2;
+    *after  = span - 1 - *before;
+}
+
+std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & scores, int32_t n_prefix, int32_t span) {
     GGML_ASSERT((int32_t) scores.size() >= n_prefix);
-    std::vector<int32_t> order(std::max(n_prefix, 0));
+    const int32_t n = std::max(n_prefix, 0);
+
+    // the rank of each row: the highest score of a row whose span covers it (a row r covers
+    // r - before .. r + after), i.e. the sliding maximum over j - after .. j + before
+    std::vector<float> rank(scores.begin(), scores.begin() + n);
+    int32_t before = 0;
+    int32_t after  = 0;
+    llama_ridgefill_span_extent(span, &before, &after);
+    if (span > 1) {
+        std::deque<int32_t> win; // rows of the window, scores decreasing
+        int32_t next = 0;        // the next row to enter the window
+        for (int32_t j = 0; j < n; ++j) {
+            for (; next <= std::min(j + before, n - 1); ++next) {
+                while (!win.empty() && scores[win.back()] <= scores[next]) {
+                    win.pop_back();
+                }
+                win.push_back(next);
+            }
+            while (win.front() < j - after) {
+                win.pop_front();
+            }
+            rank[j] = scores[win.front()];
+        }
+    }
+
+    std::vector<int32_t> order(n);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return scores[a] > scores[b]; });
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return rank[a] != rank[b] ? rank[a] > rank[b] : scores[a] > scores[b];
+    });
     return order;
 }
 
@@ -96,7 +130,7 @@ std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_
             }
         }
     };
-    auto by_score = [&]() { return llama_ridgefill_rows_by_score(in.scores, in.n_prefix); };
+    auto by_score = [&]() { return llama_ridgefill_rows_by_score(in.scores, in.n_prefix, in.span); };
     auto protect  = [&]() { return llama_ridgefill_protected_rows(in.tokens, in.pos0, in.n_prefix, in.classes, in.piece); };
 
     switch (in.selector) {

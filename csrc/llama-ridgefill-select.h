@@ -22,8 +22,13 @@ struct llama_ridgefill_piece {
 
 using llama_ridgefill_piece_fn = std::function<llama_ridgefill_piece(llama_token)>;
 
-// prefix rows 0..n_prefix-1 by score, highest first (ties: the earlier row)
-std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & scores, int32_t n_prefix);
+// the rows a span of `span` rows (>= 1) around row r covers: r - before .. r + after
+void llama_ridgefill_span_extent(int32_t span, int32_t * before, int32_t * after);
+
+// prefix rows 0..n_prefix-1 by score, highest first (ties: the earlier row). span > 1: by the
+// highest score of a row whose span covers them, then by their own score, so the span around each
+// top-scoring row comes whole (rows past the prefix's ends are not in it)
+std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & scores, int32_t n_prefix, int32_t span = 1);
 
 // prefix rows in a class of `classes` (enum llama_ridgefill_token_class bits): sink rows first, then
 // digits, then once-in-the-prompt tokens, then line starts; within a class rarer tokens (fewer
@@ -39,6 +44,7 @@ struct llama_ridgefill_select_input {
     int32_t  n_prefix  = 0;
     llama_pos pos0     = 0;
     int32_t  classes   = 0;      // protected selectors: enum llama_ridgefill_token_class bits
+    int32_t  span      = 1;      // attention and probe scores: rows by span (llama_ridgefill_rows_by_score)
     bool     has_scores = false; // attention selectors without a selector layer have none
     std::vector<float>       scores; // [>= n_prefix] the score of each planned row
     std::vector<llama_token> tokens; // protected selectors

@@ -109,6 +109,9 @@ extern "C" {
     // the attention-sink rows of the sink class: positions 0 .. LLAMA_RIDGEFILL_N_SINK-1
     #define LLAMA_RIDGEFILL_N_SINK 4
 
+    // the longest span of the attention and probe selectors (llama_ridgefill_params.span)
+    #define LLAMA_RIDGEFILL_MAX_SPAN 4096
+
     // diagnostics (the splice test of docs/design.md §9): filled rows keep the K and/or V already in their
     // cells instead of writing the fill's. With a cache holding the exact prefill of the same prompt in
     // the same cells (llama_memory_clear(mem, false) between the two prefills), this replaces the
@@ -147,6 +150,10 @@ extern "C" {
                                    //   then rarer tokens, then line starts
         int32_t state_correction;  // enum llama_ridgefill_state_correction (recurrent late layers; GAIN
                                    //   needs maps with state gains)
+        int32_t span;              // attention and probe selectors: rows are taken by the highest score
+                                   //   within the span of `span` rows around them, so the rows around
+                                   //   each top-scoring row stay exact together; 1: single rows, at
+                                   //   most LLAMA_RIDGEFILL_MAX_SPAN
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);

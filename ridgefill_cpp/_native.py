@@ -211,6 +211,7 @@ class llama_ridgefill_params(ctypes.Structure):
         ("n_key_rescale", ctypes.c_int32),
         ("protected_classes", ctypes.c_int32),
         ("state_correction", ctypes.c_int32),
+        ("span", ctypes.c_int32),
     ]
 
 

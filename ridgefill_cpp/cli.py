@@ -607,7 +607,7 @@ def eval_cmd(
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help=f"Documents per length (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
     key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help=f"c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default {settings.KEY_RESCALE}: no such variant)."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
-    codes: int = typer.Option(1, "--codes", min=1, max=12, help="Facts per retrieval prompt: the one asked for at each depth and codes - 1 distractors of other names spread over the filled region (1: the single-fact test)."),
+    codes: int = typer.Option(1, "--codes", min=1, max=12, help="Facts per retrieval prompt: the one asked for at each depth and codes - 1 distractors of other names spread over the rows before it (1: the single-fact test)."),
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {_csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),

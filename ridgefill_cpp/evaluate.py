@@ -14,8 +14,8 @@ one context of the patched llama.cpp:
 * **Filled-region retrieval**: a fact ("The access code for NAME is 12345.") planted at several
   depths of the prefix, asked for in the tail; greedy answer; exact vs identity vs ridge, with the
   planted row filled (selector none) and with the selector on. With ``codes`` > 1 each prompt holds
-  that many facts of different names (the others are distractors spread over the filled region),
-  and answers naming a distractor's code are counted apart.
+  that many facts of different names (the others are distractors spread over the rows before the
+  asked-for one), and answers naming a distractor's code are counted apart.
 * **Speed of the same runs**: median exact prefill time over median RidgeFill prefill time.
 * **Split sweep**: with map files for several splits, ΔNLL and speed per split.
 
@@ -62,7 +62,7 @@ class EvalOptions:
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
     names_per_depth: int = 2         # retrieval prompts per depth
     codes: int = 1                   # facts per retrieval prompt: the one asked for at the depth, the
-                                     #   others (other names: distractors) spread over the filled region
+                                     #   others (other names: distractors) spread over the rows before it
     splice: bool = True
     n_boot: int = 2000
     seed: int = 0
@@ -461,8 +461,11 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[s
 
 def distractor_depths(depth: float, codes: int) -> list[float]:
     """Where the ``codes - 1`` distractor facts of a prompt whose asked-for fact is at ``depth`` go:
-    evenly spaced around the filled region from it, inside [0.02, 0.98]."""
-    return [0.02 + 0.96 * ((depth + i / codes) % 1.0) for i in range(1, codes)]
+    evenly spaced before it, from depth 0.02 on. Before and not after: exact prefill itself answers
+    with a later fact's code (recency), so distractors after the fact would test the model, not the
+    fill (docs/retrieval-codes-smollm2)."""
+    lo = min(0.02, depth)
+    return [lo + (depth - lo) * i / (codes - 1) for i in range(codes - 1)] if codes > 1 else []
 
 
 def plant_facts(bos: list[int], filler: Sequence[int], facts: Sequence[tuple[float, list[int]]],

@@ -55,6 +55,9 @@ class RidgeFill:
     ``"digits"``, ``"rare"`` = once in the prompt, ``"line_start"``; no attention pass),
     ``"attention+protected"`` (the protected rows, then the attention selector's), ``"none"``, or a
     list of absolute positions that stay exact.
+    ``span`` (``attention``, ``attention+protected``, ``probe``): rows are taken by the highest
+    score within the span of this many rows around them, so the rows around each top-scoring row
+    (the name before a fact, the fact's other tokens) stay exact together; 1: single rows.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
     ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the
@@ -82,6 +85,7 @@ class RidgeFill:
     key_rescale: int = settings.KEY_RESCALE
     min_prompt: int = settings.MIN_PROMPT
     n_queries: int = settings.N_QUERIES
+    span: int = settings.SPAN
     selector_layer: int | None = None
     fill_chunk: int = settings.FILL_CHUNK
     protected: str | Sequence[str] = settings.PROTECTED
@@ -127,7 +131,7 @@ class RidgeFill:
         settings.check("tail", self.tail, hint=tuned_hint("tail"))
         object.__setattr__(self, "exact_fraction",
                            settings.check("exact_fraction", self.exact_fraction, hint=tuned_hint("exact_fraction")))
-        for name in ("value_rescale", "key_rescale", "min_prompt", "n_queries"):
+        for name in ("value_rescale", "key_rescale", "min_prompt", "n_queries", "span"):
             settings.check(name, getattr(self, name))
         if self.selector_layer is not None:
             settings.check("selector_layer", self.selector_layer)
@@ -150,6 +154,7 @@ class RidgeFill:
         # an explicit list of positions: no selector, the positions are set per prompt (llama_ridgefill_set_exact)
         p.selector = settings.SELECTORS.get(self.selector, settings.SELECTORS["none"])
         p.n_sel_queries = int(self.n_queries)
+        p.span = int(self.span)
         p.sel_layer = -1 if self.selector_layer is None else int(self.selector_layer)
         p.n_rescale = int(self.value_rescale)
         p.n_key_rescale = int(self.key_rescale)

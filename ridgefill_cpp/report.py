@@ -121,7 +121,7 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
             first = next(iter(r.values()))
             depths = list(first["by_depth"])
             codes = first.get("codes", 1)
-            many = (f"; {codes} codes of different names per prompt, the others spread over the filled region, and "
+            many = (f"; {codes} codes of different names per prompt, the others spread over the rows before the asked one, and "
                     "answers giving one of theirs counted as distractor answers") if codes > 1 else ""
             L.append("**Filled-region retrieval** (a 5-digit access code planted at a depth of the prefix, asked for "
                      f"in the tail, 8 greedy tokens{many}; accuracy with a bootstrap CI over prompts; by depth: correct / "

@@ -33,6 +33,10 @@ KEY_RESCALE = 0
 MIN_PROMPT = 1024
 #: the attention selector's query rows (the last prompt rows)
 N_QUERIES = 64
+#: the attention and probe selectors' span: rows are taken by the highest score within the span of
+#: this many rows around them (1: single rows); at most MAX_SPAN (LLAMA_RIDGEFILL_MAX_SPAN)
+SPAN = 1
+MAX_SPAN = 4096
 #: filled rows per fill step (0: n_ubatch)
 FILL_CHUNK = 0
 #: the protected selector's token classes (chosen from the eval: README, "Selectors")
@@ -82,6 +86,8 @@ SELECTORS: Mapping[str, int] = {
 }
 #: the selectors that keep the rows of token classes (``protected:CLASS+CLASS`` names them)
 CLASS_SELECTORS = ("protected", "attention+protected")
+#: the selectors that rank rows by a score, and so take a span (``attention@16``)
+SPAN_SELECTORS = ("attention", "attention+protected", "probe")
 
 #: row classes of the protected selectors -> enum llama_ridgefill_token_class (a bit mask)
 TOKEN_CLASSES: Mapping[str, int] = {
@@ -161,16 +167,27 @@ def protected_mask(classes: str | Sequence[str]) -> int:
 
 
 def parse_selector(spec: str) -> dict[str, Any]:
-    """A selector spec of the command line (bench, eval) -> RidgeFill keyword arguments:
-    ``attention``, ``probe``, ``none``, ``protected`` / ``attention+protected`` (the default
-    classes, :data:`PROTECTED`) or either with ``:CLASS+CLASS`` (names of :data:`TOKEN_CLASSES`):
-    ``{"selector": name}``, plus ``"protected": classes`` when the spec names them."""
-    name, _, classes = str(spec).partition(":")
+    """A selector spec of the command line (bench, eval, tune) -> RidgeFill keyword arguments:
+    ``NAME[:CLASS+CLASS][@SPAN]``. NAME: ``attention``, ``probe``, ``none``, ``protected`` or
+    ``attention+protected`` (the last two with the default classes, :data:`PROTECTED`, unless
+    ``:CLASS+CLASS`` names some of :data:`TOKEN_CLASSES`); ``@SPAN``: the span of the attention and
+    probe scores (e.g. ``attention@16``). ``{"selector": name}``, plus ``"protected": classes`` and
+    ``"span": n`` when the spec gives them."""
+    head, at, span = str(spec).partition("@")
+    name, _, classes = head.partition(":")
     if name not in SELECTORS or (classes and name not in CLASS_SELECTORS):
-        raise ValueError(f"selector {spec!r}: use one of {names(SELECTORS)}, or protected:CLASS+CLASS")
-    if not classes:
-        return {"selector": name}
-    return {"selector": name, "protected": parse_classes(classes.split("+"))}
+        raise ValueError(f"selector {spec!r}: use one of {names(SELECTORS)}, or protected:CLASS+CLASS, "
+                         "optionally with @SPAN (attention@16)")
+    out: dict[str, Any] = {"selector": name}
+    if classes:
+        out["protected"] = parse_classes(classes.split("+"))
+    if at:
+        if name not in SPAN_SELECTORS:
+            raise ValueError(f"selector {spec!r}: only {names(SPAN_SELECTORS)} take a span (@SPAN)")
+        if not span.isdigit():
+            raise ValueError(f"selector {spec!r}: the span after @ must be an integer in 1..{MAX_SPAN}")
+        out["span"] = check("span", int(span), label=f"selector {spec!r}: span")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,7 +203,10 @@ _INT_SETTINGS: Mapping[str, tuple[int, str]] = {
     "n_queries": (1, ""),
     "selector_layer": (0, "; None is the last full-attention layer below the split"),
     "fill_chunk": (0, "; 0 is n_ubatch"),
+    "span": (1, ": rows around each top-scoring row kept exact with it; 1 is single rows"),
 }
+#: their highest values below INT32_MAX
+_INT_MAX: Mapping[str, int] = {"span": MAX_SPAN}
 
 
 def check(setting: str, value: Any, *, label: str | None = None, hint: str = "") -> Any:
@@ -196,7 +216,7 @@ def check(setting: str, value: Any, *, label: str | None = None, hint: str = "")
     label = setting if label is None else label
     if setting in _INT_SETTINGS:
         lo, what = _INT_SETTINGS[setting]
-        return check_int(label, value, lo, hint=what + hint)
+        return check_int(label, value, lo, _INT_MAX.get(setting, INT32_MAX), hint=what + hint)
     if setting == "exact_fraction":
         return check_fraction(label, value, hint)
     if setting == "selector":
@@ -249,8 +269,8 @@ def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -
 
 
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
-           "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
+           "SPAN", "MAX_SPAN", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
            "BENCH_GREEDY_TOKENS", "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS",
-           "TUNE_LENGTH", "TUNE_DOCS", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "TOKEN_CLASSES",
+           "TUNE_LENGTH", "TUNE_DOCS", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
            "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",
            "parse_selector", "check", "check_selector", "resolve_tunable"]

@@ -105,7 +105,7 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
 
 def test_plant_facts():
     """The facts go in order of depth at their share of the region before the tail, the question
-    ends the prompt, and the distractors of a prompt sit apart from its fact inside the region."""
+    ends the prompt, and the distractors of a prompt sit before its fact, apart, inside the region."""
     from ridgefill_cpp.evaluate import distractor_depths, plant_facts
 
     bos, filler, q = [1], list(range(100, 1100)), [7, 7, 7]
@@ -121,7 +121,8 @@ def test_plant_facts():
     assert one == bos + filler[:round(0.3 * 178)] + [-1] + filler[round(0.3 * 178):195] + q
     for depth in (0.1, 0.5, 0.9):
         ds = distractor_depths(depth, 4)
-        assert len(ds) == 3 and all(0.02 <= d <= 0.98 and abs(d - depth) > 0.1 for d in ds)
+        assert len(ds) == 3 and ds[0] == 0.02 and all(a < b for a, b in zip(ds, ds[1:] + [depth]))
+    assert distractor_depths(0.5, 1) == [] and distractor_depths(0.01, 2) == [0.01]
     with pytest.raises(ValueError, match="does not fit the tail"):
         plant_facts(bos, filler, facts, [7] * 20, n=200, tail=20)
     for bad in (0, 13, 2.0):

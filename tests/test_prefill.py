@@ -32,7 +32,7 @@ from ridgefill_cpp.mapfile import read_map_file, write_map_file
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention, piece_texts,
                                       probe_fill_forward, select_attention_protected_rows, select_exact_rows,
-                                      select_protected_rows)
+                                      select_protected_rows, span_extent)
 
 #: every non-hybrid architecture (the hybrids are in test_prefill_qwen35.py)
 DENSE = ("llama", "qwen3", "gemma3", "qwen2", "mistral3", "qwen3moe", "gpt-oss")
@@ -165,6 +165,39 @@ def test_attention_selector_matches_the_oracle(arch, flash_attn, tiny_models, or
         assert len(set(chosen) & set(ref_chosen)) >= len(ref_chosen) - 1  # at most one near-tie swapped
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("selector", ["attention", "attention+protected", "probe"])
+@pytest.mark.parametrize("arch", DENSE)
+def test_selector_spans_through_libllama(arch, selector, tiny_models, oracles, prompt):
+    """span= reaches the selector: the exact rows are the oracle's span rule applied to the scores
+    libllama measured (the rule itself: test_select_unit.py), whole spans around the top rows."""
+    o = oracles[arch]
+    S = _split(arch, o)
+    span, n_prefix = 8, N_TOKENS - TAIL
+    llm = Llama(str(tiny_models[arch]), ridgefill=RidgeFill.identity(S, tail=TAIL, min_prompt=0, selector=selector,
+                                                                     span=span),
+                **ctx_kwargs(n_ubatch=32, n_batch=64))
+    try:
+        llm.eval(prompt)
+        st = llm.ridgefill_stats
+        scores = torch.tensor(llm.ridgefill_scores(), dtype=torch.float32)
+        if selector == "attention+protected":
+            texts, control = _vocab(tiny_models[arch])
+            want = select_attention_protected_rows(scores, prompt, texts, control, n_prefix, 0.10, span=span)
+        else:
+            want = select_exact_rows(scores, n_prefix, 0.10, span)
+        assert st["exact_positions"] == want and len(want) == math.ceil(0.1 * n_prefix)
+        single = select_exact_rows(scores, n_prefix, 0.10)
+        assert want != single  # the span changed the choice
+        if selector != "attention+protected":
+            top = int(torch.argmax(scores[:n_prefix]))
+            before, after = span_extent(span)
+            assert set(range(max(0, top - before), min(n_prefix, top + after + 1))) <= set(want)
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="span 0 must be >= 1"):
+        RidgeFill.identity(S, span=0)
 
 
 @pytest.mark.parametrize("arch", DENSE)

@@ -30,12 +30,12 @@ DRIVER = r"""
 #include <string>
 #include <vector>
 
-// stdin: selector fraction n_prefix pos0 classes has_scores n_rows, the rows' scores and tokens,
+// stdin: selector fraction n_prefix pos0 classes span has_scores n_rows, the rows' scores and tokens,
 // n_vocab, then per vocabulary entry: control length hex-bytes. stdout: the selected positions
 int main() {
     llama_ridgefill_select_input in;
     int has_scores = 0, n_rows = 0, n_vocab = 0;
-    std::cin >> in.selector >> in.fraction >> in.n_prefix >> in.pos0 >> in.classes >> has_scores >> n_rows;
+    std::cin >> in.selector >> in.fraction >> in.n_prefix >> in.pos0 >> in.classes >> in.span >> has_scores >> n_rows;
     in.has_scores = has_scores != 0;
     in.scores.resize(n_rows);
     in.tokens.resize(n_rows);
@@ -104,8 +104,8 @@ def select_bin(tmp_path_factory) -> Path:
 
 
 def _run(select_bin: Path, selector: str, fraction: float, n_prefix: int, scores, tokens, texts, control, *,
-         pos0: int = 0, classes: int = F.CLASS_SINK | F.CLASS_DIGIT, has_scores: bool = True) -> list[int]:
-    lines = [f"{SELECTORS[selector]} {fraction!r} {n_prefix} {pos0} {classes} {int(has_scores)} {len(tokens)}",
+         pos0: int = 0, classes: int = F.CLASS_SINK | F.CLASS_DIGIT, has_scores: bool = True, span: int = 1) -> list[int]:
+    lines = [f"{SELECTORS[selector]} {fraction!r} {n_prefix} {pos0} {classes} {span} {int(has_scores)} {len(tokens)}",
              " ".join(repr(float(s)) for s in scores), " ".join(str(t) for t in tokens), str(len(texts))]
     for text, c in zip(texts, control):
         raw = text.encode()
@@ -114,15 +114,16 @@ def _run(select_bin: Path, selector: str, fraction: float, n_prefix: int, scores
     return [int(x) for x in res.stdout.split()]
 
 
-def _oracle(selector: str, fraction: float, n_prefix: int, scores, tokens, texts, control, classes: int) -> list[int]:
+def _oracle(selector: str, fraction: float, n_prefix: int, scores, tokens, texts, control, classes: int,
+            span: int = 1) -> list[int]:
     sc = torch.tensor(scores, dtype=torch.float32)
     if selector == "none":
         return []
     if selector in ("attention", "probe"):
-        return F.select_exact_rows(sc, n_prefix, fraction)
-    if selector == "protected":
+        return F.select_exact_rows(sc, n_prefix, fraction, span)
+    if selector == "protected":  # no scores: the span does not apply
         return F.select_protected_rows(tokens, texts, control, n_prefix, fraction, classes)
-    return F.select_attention_protected_rows(sc, tokens, texts, control, n_prefix, fraction, classes)
+    return F.select_attention_protected_rows(sc, tokens, texts, control, n_prefix, fraction, classes, span)
 
 
 def _vocab(rng: random.Random, n: int) -> tuple[list[str], list[bool]]:
@@ -145,9 +146,10 @@ def test_selector_rules_match_the_oracle(select_bin, selector):
         tokens = [rng.randrange(n_vocab) for _ in range(n_rows)]
         fraction = rng.choice([0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0])
         classes = rng.choice([F.CLASS_SINK | F.CLASS_DIGIT, ALL_CLASSES, F.CLASS_RARE, F.CLASS_LINE_START])
-        got = _run(select_bin, selector, fraction, n_prefix, scores, tokens, texts, control, classes=classes)
-        want = _oracle(selector, fraction, n_prefix, scores, tokens, texts, control, classes)
-        assert got == want, (case, selector, fraction, n_prefix, classes)
+        span = rng.choice([1, 1, 2, 3, 8, 16, 200])
+        got = _run(select_bin, selector, fraction, n_prefix, scores, tokens, texts, control, classes=classes, span=span)
+        want = _oracle(selector, fraction, n_prefix, scores, tokens, texts, control, classes, span)
+        assert got == want, (case, selector, fraction, n_prefix, classes, span)
         assert len(got) <= F.n_selected(n_prefix, fraction)
 
 
@@ -172,6 +174,25 @@ def test_attention_without_a_selector_layer_and_embedding_rows(select_bin):
     tokens = [-1, 0, -1, 1, 0]
     assert _run(select_bin, "protected", 1.0, 5, [0.0] * 5, tokens, texts, control, pos0=4,
                 classes=ALL_CLASSES) == [4 + 1, 4 + 3, 4 + 4]
+
+
+def test_spans_keep_the_rows_around_each_peak(select_bin):
+    """With span w, the w rows around each top-scoring row come whole, peaks in score order, and a
+    span stops at the prefix's ends; without it, the single top rows."""
+    texts, control = ["x"], [False]
+    scores = [0.0] * 100
+    scores[40], scores[70], scores[1] = 9.0, 5.0, 3.0
+    before, after = F.span_extent(8)
+    assert (before, after) == (3, 4)
+    run = lambda fraction, span: _run(select_bin, "attention", fraction, 100, scores, [0] * 100, texts, control,  # noqa: E731
+                                      pos0=10, span=span)
+    assert run(0.03, 1) == [11, 50, 80]
+    assert run(0.08, 8) == list(range(10 + 37, 10 + 45))                      # the first peak's span only
+    assert run(0.16, 8) == list(range(10 + 37, 10 + 45)) + list(range(10 + 67, 10 + 75))
+    # the third span is cut at row 0 (rows 0..5); with one row fewer, its peak first, then the earlier rows
+    assert run(0.22, 8) == list(range(10, 10 + 6)) + list(range(10 + 37, 10 + 45)) + list(range(10 + 67, 10 + 75))
+    assert run(0.21, 8) == list(range(10, 10 + 5)) + list(range(10 + 37, 10 + 45)) + list(range(10 + 67, 10 + 75))
+    assert run(1.0, 4096) == list(range(10, 110))
 
 
 def test_sink_rows_are_positions_not_rows(select_bin):

@@ -48,8 +48,13 @@ def test_selector_grammar_and_checks():
     assert settings.parse_selector("protected:digits+rare") == {"selector": "protected", "protected": ("digits", "rare")}
     assert settings.parse_selector("attention+protected:sink") == {"selector": "attention+protected",
                                                                    "protected": ("sink",)}
+    assert settings.parse_selector("attention@16") == {"selector": "attention", "span": 16}
+    assert settings.parse_selector("attention+protected:digits@8") == {"selector": "attention+protected",
+                                                                       "protected": ("digits",), "span": 8}
     for bad, msg in [("probing", "selector 'probing'"), ("probe:digits", "selector 'probe:digits'"),
-                     ("protected:vowels", "protected token classes")]:
+                     ("protected:vowels", "protected token classes"), ("protected@4", "only attention"),
+                     ("attention@", "span after @"), ("attention@x", "span after @"), ("attention@0", "must be >= 1"),
+                     ("attention@4097", "must be <= 4096")]:
         with pytest.raises(ValueError, match=msg):
             settings.parse_selector(bad)
     assert settings.check("tail", 8) == 8 and settings.check("selector", [9, 3, 3]) == (3, 9)

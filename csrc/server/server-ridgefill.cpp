@@ -57,6 +57,7 @@ common_json server_ridgefill_props(const common_params_ridgefill & params) {
     res["tail"]           = params.n_tail;
     res["exact_fraction"] = params.exact_fraction;
     res["selector"]       = params.selector;
+    res["span"]           = params.span;
     res["min_prompt"]     = params.min_prompt;
     return res;
 }
@@ -96,13 +97,19 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
                     throw std::invalid_argument("\"selector\" must be one of " + rf_selector_names() + ", got " + rf_quote(val));
                 }
                 req.selector = sel;
+            } else if (key == "span") {
+                if (!val.is_number_integer() || val.get<long long>() < 1 || val.get<long long>() > LLAMA_RIDGEFILL_MAX_SPAN) {
+                    throw std::invalid_argument("\"span\" must be an integer in 1.." + std::to_string(LLAMA_RIDGEFILL_MAX_SPAN) +
+                            " (rows kept exact around each top-scoring row; 1: single rows), got " + rf_quote(val));
+                }
+                req.span = (int32_t) val.get<long long>();
             } else {
-                throw std::invalid_argument("unknown member " + rf_quote(common_json(key)) + " (use tail, exact_fraction, selector)");
+                throw std::invalid_argument("unknown member " + rf_quote(common_json(key)) + " (use tail, exact_fraction, selector, span)");
             }
         }
     } else {
         throw std::invalid_argument("must be false (exact prefill), true (the server's RidgeFill settings) or an object "
-                "with tail, exact_fraction and selector, got " + rf_quote(value));
+                "with tail, exact_fraction, selector and span, got " + rf_quote(value));
     }
     if (req.enabled && !enabled_on_server) {
         throw std::invalid_argument("this server runs without RidgeFill (start it with --ridgefill-maps or --ridgefill-split); "
@@ -152,6 +159,7 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
     defaults.n_tail         = params.n_tail;
     defaults.exact_fraction = params.exact_fraction;
     defaults.min_prompt     = params.min_prompt;
+    defaults.span           = params.span;
     defaults.selector       = server_ridgefill_selector_from_name(params.selector);
     if (defaults.selector < 0) {
         error = "--ridgefill-selector " + params.selector + ": use one of " + rf_selector_names();
@@ -179,9 +187,10 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
     attached    = defaults;
     is_attached = true;
     this->ctx   = ctx;
-    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d, exact fraction %.3g, selector %s, prompts of >= %d new rows\n",
+    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d, exact fraction %.3g, selector %s (span %d), prompts of >= %d new rows\n",
             __func__, maps ? params.maps.c_str() : "identity fill", defaults.split_layer, llama_model_n_layer(model),
-            defaults.n_tail, defaults.exact_fraction, server_ridgefill_selector_name(defaults.selector), defaults.min_prompt);
+            defaults.n_tail, defaults.exact_fraction, server_ridgefill_selector_name(defaults.selector), defaults.span,
+            defaults.min_prompt);
     return true;
 }
 
@@ -197,6 +206,9 @@ llama_ridgefill_params server_ridgefill::params_for(const server_ridgefill_reque
         p.selector = req.selector;
         p.sel_layer = -1; // the default layer of the new selector
     }
+    if (req.span >= 0) {
+        p.span = req.span;
+    }
     return p;
 }
 
@@ -210,7 +222,7 @@ bool server_ridgefill::wants(const server_ridgefill_request & req, int32_t n_row
 }
 
 static bool rf_same_params(const llama_ridgefill_params & a, const llama_ridgefill_params & b) {
-    return a.n_tail == b.n_tail && a.exact_fraction == b.exact_fraction && a.selector == b.selector;
+    return a.n_tail == b.n_tail && a.exact_fraction == b.exact_fraction && a.selector == b.selector && a.span == b.span;
 }
 
 int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end,
@@ -274,6 +286,7 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     stats["n_layer"]        = st.n_layer;
     stats["selector"]       = server_ridgefill_selector_name(attached.selector);
     stats["exact_fraction"] = attached.exact_fraction;
+    stats["span"]           = attached.span;
     stats["probe_rows"]     = st.n_probe;
     stats["ceiling"]        = st.ceiling;
     stats["late_ms"]        = st.t_late_ms;

@@ -32,6 +32,7 @@ struct server_ridgefill_request {
     int32_t n_tail         = -1;   // -1: the server's --ridgefill-tail
     double  exact_fraction = -1.0; // < 0: the server's --ridgefill-exact-fraction
     int32_t selector       = -1;   // enum llama_ridgefill_selector, -1: the server's --ridgefill-selector
+    int32_t span           = -1;   // -1: the server's --ridgefill-span
 };
 
 // the selectors by name: none, attention, probe, protected, attention+protected; -1 when unknown
@@ -39,7 +40,8 @@ int32_t      server_ridgefill_selector_from_name(const std::string & name);
 const char * server_ridgefill_selector_name(int32_t selector);
 
 // parse the value of a request's "ridgefill" member: false, true, or an object with any of "tail"
-// (integer >= 1), "exact_fraction" (number in [0, 1]) and "selector" (a selector name). Throws
+// (integer >= 1), "exact_fraction" (number in [0, 1]), "selector" (a selector name) and "span"
+// (integer in 1..LLAMA_RIDGEFILL_MAX_SPAN). Throws
 // std::invalid_argument saying what is wrong. enabled_on_server: false when the server runs without
 // RidgeFill, where only false is accepted.
 server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server);
@@ -71,7 +73,7 @@ server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
         const std::vector<server_ridgefill_slot_cells> & others);
 
 // the command line's RidgeFill settings for GET /props (maps, split, tail, exact_fraction,
-// selector, min_prompt; split -1: the map file's)
+// selector, span, min_prompt; split -1: the map file's)
 common_json server_ridgefill_props(const common_params_ridgefill & params);
 
 struct server_ridgefill {

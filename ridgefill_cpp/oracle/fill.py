@@ -475,13 +475,13 @@ def _output(oracle, tokens, positions, split, tail, roles, active, layer_inputs,
 
 def select_attention_protected_rows(scores: torch.Tensor, tokens: Sequence[int], texts: Sequence[str],
                                     control: Sequence[bool], prefix_len: int, fraction: float = DEFAULT_FRACTION,
-                                    classes: int = CLASS_SINK | CLASS_DIGIT) -> list[int]:
+                                    classes: int = CLASS_SINK | CLASS_DIGIT, span: int = 1) -> list[int]:
     """The `attention+protected` selector: the protected rows (:func:`select_protected_rows`, at most
-    ceil(fraction · prefix_len)), then the highest-scoring other prefix rows (ties: the earlier
-    row) up to ceil(fraction · prefix_len) in all."""
+    ceil(fraction · prefix_len)), then the other prefix rows by score (:func:`rows_by_score` with
+    ``span``; ties: the earlier row) up to ceil(fraction · prefix_len) in all."""
     k = n_selected(prefix_len, fraction)
     chosen = select_protected_rows(tokens, texts, control, prefix_len, fraction, classes)
-    order = torch.sort(scores[:prefix_len], descending=True, stable=True).indices.tolist()
+    order = rows_by_score(scores, prefix_len, span)
     have = set(chosen)
     for i in order:
         if len(chosen) >= k:
@@ -561,25 +561,51 @@ def n_selected(prefix_len: int, fraction: float = DEFAULT_FRACTION) -> int:
     return max(0, min(prefix_len, math.ceil(fraction * prefix_len - 1e-9)))
 
 
-def select_exact_rows(scores: torch.Tensor, prefix_len: int, fraction: float = DEFAULT_FRACTION) -> list[int]:
+def span_extent(span: int) -> tuple[int, int]:
+    """The rows the span of ``span`` rows around row r covers: r - before .. r + after."""
+    if span < 1:
+        raise ValueError(f"span {span} must be >= 1")
+    before = (span - 1) // 2
+    return before, span - 1 - before
+
+
+def span_ranks(scores: torch.Tensor, prefix_len: int, span: int = 1) -> torch.Tensor:
+    """Each prefix row's rank score under span ``span``: the highest score of a prefix row whose span
+    (:func:`span_extent`) covers it; span 1: its own score."""
+    before, after = span_extent(span)
+    sc = scores[:prefix_len]
+    return torch.stack([sc[max(0, j - after):j + before + 1].max() for j in range(prefix_len)]) if prefix_len else sc
+
+
+def rows_by_score(scores: torch.Tensor, prefix_len: int, span: int = 1) -> list[int]:
+    """Prefix rows by :func:`span_ranks` (highest first), then by their own score, then earlier."""
+    if scores.shape[0] < prefix_len:
+        raise ValueError(f"{scores.shape[0]} scores for a prefix of {prefix_len} rows")
+    ranks = span_ranks(scores, prefix_len, span).tolist()
+    own = scores[:prefix_len].tolist()
+    return sorted(range(prefix_len), key=lambda j: (-ranks[j], -own[j], j))
+
+
+def select_exact_rows(scores: torch.Tensor, prefix_len: int, fraction: float = DEFAULT_FRACTION,
+                      span: int = 1) -> list[int]:
     """The top :func:`n_selected` (ceil(fraction · prefix_len)) prefix rows by score, as sorted
-    positions. Only rows 0..prefix_len-1 compete; ties go to the earlier position."""
+    positions. Only rows 0..prefix_len-1 compete; ties go to the earlier position. ``span`` > 1:
+    rows rank by the highest score within the span around them (:func:`rows_by_score`), so the
+    span around each top-scoring row is kept whole."""
     k = n_selected(prefix_len, fraction)
     if k == 0:
         return []
-    if scores.shape[0] < prefix_len:
-        raise ValueError(f"{scores.shape[0]} scores for a prefix of {prefix_len} rows")
-    order = torch.sort(scores[:prefix_len], descending=True, stable=True).indices
-    return sorted(int(i) for i in order[:k])
+    return sorted(rows_by_score(scores, prefix_len, span)[:k])
 
 
 def select_attention_rows(oracle: Oracle, tokens: Sequence[int], *, split: int, tail: int,
                           fraction: float = DEFAULT_FRACTION, n_queries: int = DEFAULT_N_QUERIES,
-                          layer: int | None = None) -> list[int]:
+                          layer: int | None = None, span: int = 1) -> list[int]:
     """The `attention` selector end to end: score at `layer` (default
-    :func:`default_selector_layer`), keep the top ceil(fraction · prefix) prefix rows."""
+    :func:`default_selector_layer`), keep the top ceil(fraction · prefix) prefix rows (by span:
+    :func:`rows_by_score`)."""
     layer = default_selector_layer(oracle, split) if layer is None else layer
     prefix_len = max(0, len(tokens) - tail)
     if prefix_len == 0 or n_selected(prefix_len, fraction) == 0:
         return []
-    return select_exact_rows(attention_scores(oracle, tokens, layer, n_queries), prefix_len, fraction)
+    return select_exact_rows(attention_scores(oracle, tokens, layer, n_queries), prefix_len, fraction, span)
