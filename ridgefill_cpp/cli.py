@@ -518,7 +518,7 @@ def bench(
     split: Optional[int] = typer.Option(None, "--split", "-s", help="Split layer S without maps (default L - floor(L/3); with maps: the file's)."),
     tail: Optional[int] = typer.Option(None, "--tail", min=1, help=_tuned("T: the last prompt rows, always exact", "tail")),
     exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction")),
-    selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS} (attention+protected: the protected rows, then attention; probe: the late-layer attention of the tail, one extra pass; protected: row classes, protected:{_CLASSES} names them)", "selector")),
+    selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS} (attention+protected: the protected rows, then attention; probe: the late-layer attention of the tail, one extra pass; protected: row classes, protected:{_CLASSES} names them; @SPAN, e.g. attention@16: the SPAN rows around each top-scoring row stay exact together)", "selector")),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
     min_prompt: Optional[int] = typer.Option(None, "--min-prompt", min=0, help=f"Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill; default {settings.MIN_PROMPT})."),
     identity: bool = typer.Option(True, "--identity/--no-identity", help="Also time identity fill at the same settings."),
@@ -602,12 +602,14 @@ def eval_cmd(
     tail: Optional[int] = typer.Option(None, "--tail", min=1, help=_tuned("T: the last prompt rows, exact; their next-token losses are scored", "tail", first=True)),
     exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction", first=True)),
     selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector of the fill variants: {_SELECTORS} (protected and attention+protected optionally :CLASS+CLASS of {', '.join(settings.TOKEN_CLASSES)})", "selector", first=True)),
-    selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,protected:rare); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
+    selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,attention@16,attention@1); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help=f"Documents per length (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
     key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help=f"c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default {settings.KEY_RESCALE}: no such variant)."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
     codes: int = typer.Option(1, "--codes", min=1, max=12, help="Facts per retrieval prompt: the one asked for at each depth and codes - 1 distractors of other names spread over the rows before it (1: the single-fact test)."),
+    depths: Optional[str] = typer.Option(None, "--depths", help="Retrieval: depths of the asked-for fact, comma-separated shares of the filled region (default 0.1,0.3,0.5,0.7,0.9)."),
+    retrieval_prompts: Optional[int] = typer.Option(None, "--retrieval-prompts", min=1, help="Retrieval prompts per depth, each with other names and codes (default 2)."),
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {_csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
@@ -628,7 +630,9 @@ def eval_cmd(
     _check_output_dir(out_dir, "--out")
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads, codes=codes,
               selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
-              **_given(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale))
+              **_given(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale,
+                       depths=depths and tuple(_number_list(depths, "--depths", float)),
+                       names_per_depth=retrieval_prompts))
     options = EvalOptions.quick(**kw) if quick else EvalOptions(**kw)
     texts = _read_text_option(text)
     t0 = time.perf_counter()
@@ -671,7 +675,9 @@ def serve_cmd(
         None, "--exact-fraction", min=0.0, max=1.0,
         help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction")),
     selector: Optional[str] = typer.Option(
-        None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS}", "selector")),
+        None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS}, optionally @SPAN: the attention and probe "
+                                        "selectors keep the SPAN rows around each top-scoring row exact together "
+                                        "(e.g. attention@16)", "selector")),
     min_prompt: Optional[int] = typer.Option(
         None, "--min-prompt", min=0,
         help=f"Prompts with fewer new tokens run stock prefill (default {settings.MIN_PROMPT})."),
@@ -694,7 +700,7 @@ def serve_cmd(
     settings (--maps or --identity-split, --tail, --exact-fraction, --selector, --min-prompt)
     become the server's defaults; without --maps and --identity-split it is stock llama-server.
     Each request may carry a "ridgefill" JSON field: false (exact prefill for this request), true
-    (the server's settings) or an object {"tail", "exact_fraction", "selector"} overriding them.
+    (the server's settings) or an object {"tail", "exact_fraction", "selector", "span"} overriding them.
     It binds 127.0.0.1 unless --host says otherwise. Arguments after -- go to llama-server
     unchanged. Prints the URL once the server is healthy; Ctrl-C or SIGTERM stops it cleanly."""
     from .serve import ServerError, serve
@@ -702,8 +708,9 @@ def serve_cmd(
 
     if maps is not None and identity_split is not None:
         _fail("give --maps or --identity-split, not both")
-    given = _given(tail=tail, exact_fraction=exact_fraction, selector=selector, min_prompt=min_prompt)
     try:
+        given = _given(tail=tail, exact_fraction=exact_fraction, min_prompt=min_prompt,
+                       **(settings.parse_selector(selector) if selector is not None else {}))
         if maps is not None:
             rf = RidgeFill(maps, **given)
         elif identity_split is not None:

@@ -59,7 +59,7 @@ class EvalOptions:
     selector: str = settings.SELECTOR
     value_rescale: int = settings.VALUE_RESCALE
     n_docs: int = settings.EVAL_DOCS  # documents per length (spread over the kinds)
-    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     names_per_depth: int = 2         # retrieval prompts per depth
     codes: int = 1                   # facts per retrieval prompt: the one asked for at the depth, the
                                      #   others (other names: distractors) spread over the rows before it
@@ -88,6 +88,10 @@ class EvalOptions:
             settings.check(name, getattr(self, name))
         if len(set(self.selectors)) != len(self.selectors):
             raise ValueError(f"a selector variant is listed twice: {', '.join(self.selectors)}")
+        if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
+            raise ValueError(f"retrieval depths {self.depths!r}: one or more shares of the filled region, in [0, 1]")
+        if not (isinstance(self.names_per_depth, int) and self.names_per_depth >= 1):
+            raise ValueError(f"retrieval prompts per depth {self.names_per_depth!r} must be an integer >= 1")
         if not (isinstance(self.codes, int) and 1 <= self.codes <= len(NAMES)):
             raise ValueError(f"codes {self.codes!r}: facts per retrieval prompt must be an integer in 1..{len(NAMES)}")
 
@@ -528,6 +532,10 @@ def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
             by_depth.setdefault(f"{dep:g}", []).append(bool(c))
         acc = metrics.bootstrap_ci(correct.astype(np.float64), n_boot=options.n_boot, seed=options.seed)
         out[cond] = {"by_depth": by_depth, "accuracy": acc._asdict(), "predictions": preds, "answers": answers,
-                     "codes": options.codes, "distractor_answers": int(sum(confused))}
+                     "codes": options.codes, "distractor_answers": int(sum(confused)), "correct": correct.tolist()}
+    # what exact prefill retrieves, kept: the share of the prompts exact answers that a condition also answers
+    exact = np.array(out["exact"]["correct"], dtype=bool)
+    for v in out.values():
+        v["kept"] = [int((np.array(v["correct"], dtype=bool) & exact).sum()), int(exact.sum())]
     return out
 

@@ -126,11 +126,13 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
             L.append("**Filled-region retrieval** (a 5-digit access code planted at a depth of the prefix, asked for "
                      f"in the tail, 8 greedy tokens{many}; accuracy with a bootstrap CI over prompts; by depth: correct / "
                      "prompts):\n")
-            L.append("| condition | accuracy | " + " | ".join(f"depth {d}" for d in depths) +
+            L.append("\"kept\": of the prompts exact prefill answers, those the condition answers too.\n")
+            L.append("| condition | accuracy | kept | " + " | ".join(f"depth {d}" for d in depths) +
                      (" | distractor answers |" if codes > 1 else " |"))
-            L.append("|---|---|" + "---|" * (len(depths) + (codes > 1)))
+            L.append("|---|---|---|" + "---|" * (len(depths) + (codes > 1)))
             for cond, v in r.items():
-                L.append(f"| {cond} | {_pct(v['accuracy'])} | " +
+                kept = f"{v['kept'][0]}/{v['kept'][1]}" if "kept" in v else "—"
+                L.append(f"| {cond} | {_pct(v['accuracy'])} | {kept} | " +
                          " | ".join(f"{sum(v['by_depth'][d])}/{len(v['by_depth'][d])}" for d in depths) +
                          (f" | {v['distractor_answers']}/{len(v['answers'])} |" if codes > 1 else " |"))
             L.append("")

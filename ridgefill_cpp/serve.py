@@ -53,7 +53,8 @@ _MANAGED_FLAGS = {
     "--host": "the host option", "--port": "the port option",
     "--ridgefill-maps": "the maps option", "--ridgefill-split": "the identity split option",
     "--ridgefill-tail": "the tail option", "--ridgefill-exact-fraction": "the exact fraction option",
-    "--ridgefill-selector": "the selector option", "--ridgefill-min-prompt": "the min prompt option",
+    "--ridgefill-selector": "the selector option", "--ridgefill-span": "the selector option (NAME@SPAN)",
+    "--ridgefill-min-prompt": "the min prompt option",
 }
 
 _LOOPBACK = "127.0.0.1"
@@ -209,6 +210,7 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
         args += ["--ridgefill-tail", str(int(rf.tail)),
                  "--ridgefill-exact-fraction", repr(float(rf.exact_fraction)),
                  "--ridgefill-selector", str(rf.selector),
+                 "--ridgefill-span", str(int(rf.span)),
                  "--ridgefill-min-prompt", str(int(rf.min_prompt))]
         # the patched server itself turns on --kv-unified and --swa-full when RidgeFill is on
     if api_key is not None and not api_key:
@@ -238,7 +240,8 @@ def describe(rf: RidgeFill | None) -> str:
     src = lambda k: f" ({rf.origin[k]})" if rf.origin.get(k, "argument") != "argument" else ""  # noqa: E731
     what = f"maps {rf.maps}" if rf.maps is not None else f"identity fill at split {rf.split}"
     return (f"RidgeFill: {what}; tail {rf.tail}{src('tail')}, exact fraction {rf.exact_fraction:g}"
-            f"{src('exact_fraction')}, selector {rf.selector}{src('selector')}, prompts from {rf.min_prompt} tokens")
+            f"{src('exact_fraction')}, selector {rf.selector}{src('selector')}"
+            + (f" with span {rf.span}" if rf.span != 1 else "") + f", prompts from {rf.min_prompt} tokens")
 
 
 # ------------------------------------------------------------------------------------------------

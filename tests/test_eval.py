@@ -85,7 +85,8 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
     metric and document, and retrieval answers equal exact's (three codes a prompt here)."""
     res = evaluate(tiny_models["llama"], [tiny_maps[0]],
                    EvalOptions.quick(min_prompt=10**6, n_docs=3, splice=False, n_threads=1, key_rescale=8,
-                                     selectors=("probe", "protected"), codes=3))
+                                     selectors=("probe", "protected", "attention@8"), codes=3,
+                                     depths=(0.2, 0.5, 0.9), names_per_depth=2))
     for v, row in res.paired["1024"].items():
         assert row["novel"]["estimate"] == row["novel"]["low"] == row["novel"]["high"] == 0.0, v
     for v, row in res.summary["1024"].items():
@@ -98,9 +99,13 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
     assert all(p == preds["exact"] for p in preds.values())
     wrong = {c: v["distractor_answers"] for c, v in res.retrieval["1024"].items()}
     assert all(v["codes"] == 3 for v in res.retrieval["1024"].values()) and len(set(wrong.values())) == 1
+    n_exact = sum(res.retrieval["1024"]["exact"]["correct"])
+    assert all(v["kept"] == [n_exact, n_exact] and len(v["answers"]) == 6 for v in res.retrieval["1024"].values())
+    assert list(res.retrieval["1024"]["exact"]["by_depth"]) == ["0.2", "0.5", "0.9"]
+    assert "ridge, attention@8 selector" in res.retrieval["1024"]
     write_report(res, tmp_path / "r", 1.0)
     md = (tmp_path / "r" / "report.md").read_text()
-    assert "3 codes of different names per prompt" in md and "| distractor answers |" in md
+    assert "3 codes of different names per prompt" in md and "| distractor answers |" in md and "| accuracy | kept |" in md
 
 
 def test_plant_facts():
@@ -128,6 +133,10 @@ def test_plant_facts():
     for bad in (0, 13, 2.0):
         with pytest.raises(ValueError, match="facts per retrieval prompt"):
             EvalOptions(codes=bad).check()
+    for kw, msg in (({"depths": ()}, "retrieval depths"), ({"depths": (0.5, 1.5)}, "retrieval depths"),
+                    ({"names_per_depth": 0}, "prompts per depth")):
+        with pytest.raises(ValueError, match=msg):
+            EvalOptions(**kw).check()
 
 
 def test_eval_bad_input(tiny_models, tiny_maps, cli, tmp_path):
