@@ -604,7 +604,7 @@ def eval_cmd(
     selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector of the fill variants: {_SELECTORS} (protected and attention+protected optionally :CLASS+CLASS of {', '.join(settings.TOKEN_CLASSES)})", "selector", first=True)),
     selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,attention@16,attention@1); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
-    docs: Optional[int] = typer.Option(None, "--docs", min=2, help=f"Documents per length (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
+    docs: Optional[int] = typer.Option(None, "--docs", min=0, help=f"Documents per length, 0 or at least 2; 0: retrieval only, no ΔNLL (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
     key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help=f"c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default {settings.KEY_RESCALE}: no such variant)."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
     codes: int = typer.Option(1, "--codes", min=1, max=12, help="Facts per retrieval prompt: the one asked for at each depth and codes - 1 distractors of other names spread over the rows before it (1: the single-fact test)."),
@@ -653,6 +653,14 @@ def eval_cmd(
             cell = lambda m: (f"{row[m]['delta']['estimate']:+.4f} [{row[m]['delta']['low']:+.3f}, {row[m]['delta']['high']:+.3f}]"
                               if row.get(m) else "—")  # noqa: E731
             t.add_row(v, cell("novel"), cell("key"), cell("all"), f"{res.ttft_ratio(int(n), v):.2f}x")
+        out.print(t)
+    for n, r in res.retrieval.items():
+        t = Table(title=f"{Path(res.model).name}, {n}-token prompts: filled-region retrieval ({len(r['exact']['answers'])} prompts)")
+        for col in ("condition", "accuracy", "kept (of exact's)"):
+            t.add_column(col, justify="right" if col != "condition" else "left")
+        for cond, v in r.items():
+            t.add_row(cond, f"{v['accuracy']['estimate']:.0%} [{v['accuracy']['low']:.0%}, {v['accuracy']['high']:.0%}]",
+                      f"{v['kept'][0]}/{v['kept'][1]}")
         out.print(t)
     out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
 

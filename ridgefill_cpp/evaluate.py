@@ -58,7 +58,7 @@ class EvalOptions:
     exact_fraction: float = settings.EXACT_FRACTION
     selector: str = settings.SELECTOR
     value_rescale: int = settings.VALUE_RESCALE
-    n_docs: int = settings.EVAL_DOCS  # documents per length (spread over the kinds)
+    n_docs: int = settings.EVAL_DOCS  # documents per length (spread over the kinds); 0: retrieval only
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     names_per_depth: int = 2         # retrieval prompts per depth
     codes: int = 1                   # facts per retrieval prompt: the one asked for at the depth, the
@@ -88,6 +88,8 @@ class EvalOptions:
             settings.check(name, getattr(self, name))
         if len(set(self.selectors)) != len(self.selectors):
             raise ValueError(f"a selector variant is listed twice: {', '.join(self.selectors)}")
+        if not (isinstance(self.n_docs, int) and (self.n_docs == 0 or self.n_docs >= 2)):
+            raise ValueError(f"documents per length {self.n_docs!r}: 0 (retrieval only) or an integer >= 2")
         if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
             raise ValueError(f"retrieval depths {self.depths!r}: one or more shares of the filled region, in [0, 1]")
         if not (isinstance(self.names_per_depth, int) and self.names_per_depth >= 1):
@@ -329,6 +331,9 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
 
         for n in lengths:
             key = str(n)
+            if options.n_docs == 0:  # retrieval only
+                res.retrieval[key] = _retrieval(llm, tokenize, bos, texts, n, options, conditions, tick)
+                continue
             docs = build_documents(tokenize, bos, texts, n, options.n_docs)
             kc = metrics.scaled_key_cut(info.context_length or n, n - T)
             res.key_cut[key] = {"k": kc.k, "note": kc.note}

@@ -58,7 +58,8 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
     L.append(f"- maps: " + ", ".join(f"`{Path(m).name}` (S = {s})" for m, s in zip(res.maps, res.splits)))
     L.append(f"- settings: T = {o['tail']}, selector {o['selector']} at {o['exact_fraction']:g} of the prefix, "
              f"value rescale c = {o['value_rescale']}; prompts of {', '.join(str(n) for n in o['lengths'])} tokens; "
-             f"{o['n_docs']} documents per length; 95 % percentile-bootstrap CIs over documents ({o['n_boot']} resamples)")
+             + (f"{o['n_docs']} documents per length; 95 % percentile-bootstrap CIs over documents ({o['n_boot']} resamples)"
+                if o['n_docs'] else "retrieval only (no documents)"))
     L.append("- texts (disjoint from the calibration text of `fit`): " + "; ".join(res.sources))
     if elapsed_s is not None:
         L.append(f"- run time: {elapsed_s / 60:.1f} min")
@@ -68,77 +69,91 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
              "in the prompt. Key: exact loss rises by more than 2 nats when the context is cut to the last K tokens "
              "(one cut run per document: the first tail row sees K tokens, the last K + T − 1). "
              "Speed: median exact prefill time / median prefill time of the variant, same context, same runs.\n")
-    for n in sorted(res.summary, key=int):
-        s = res.summary[n]
+    for n in sorted(set(res.summary) | set(res.retrieval), key=int):
         L.append(f"## {n}-token prompts\n")
-        L.append(f"Key-token cut: K = {res.key_cut[n]['k']} ({res.key_cut[n]['note']})\n")
-        nd = len(res.docs[n]["exact"])
-        nov = sum(r["n_novel"] for r in res.docs[n]["exact"])
-        key = sum(r["n_key"] for r in res.docs[n]["exact"])
-        tok = sum(len(r["nll_exact"]) for r in res.docs[n]["exact"])
-        kinds = {}
-        for r in res.docs[n]["exact"]:
-            kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-        L.append(f"n = {nd} documents ({', '.join(f'{v} {k}' for k, v in kinds.items())}); {tok} scored tokens, "
-                 f"{nov} novel, {key} key.\n")
-        L.append("| variant | ΔNLL novel | ΔNLL key | ΔNLL all | perplexity ratio (all) | speed vs exact | ceiling 1/r |")
-        L.append("|---|---|---|---|---|---|---|")
-        for v, row in s.items():
-            plan = res.plans[n].get(v, res.plans[n].get("ridge" if v.startswith("ridge,") else v, {}))
-            L.append(f"| {v} | {_ci(row.get('novel') and row['novel']['delta'])} | "
-                     f"{_ci(row.get('key') and row['key']['delta'])} | {_ci(row.get('all') and row['all']['delta'])} | "
-                     f"{_ci(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
-                     f"{plan.get('ceiling', float('nan')):.2f}x |")
-        L.append("")
-        paired = (getattr(res, "paired", None) or {}).get(n) or {}
-        if paired:
-            L.append("**Levers** (each lever's ΔNLL minus the plain ridge fill's on the same documents and tokens, "
-                     "paired by document; below 0: the lever helps; 95 % bootstrap CI over documents):\n")
-            L.append("| lever | novel | key | all | speed vs exact | ceiling 1/r |")
-            L.append("|---|---|---|---|---|---|")
-            for v, row in paired.items():
-                plan = res.plans[n].get(v, {})
-                L.append(f"| {v} | " + " | ".join(_ci(row.get(m)) for m in ("novel", "key", "all")) +
-                         f" | {res.ttft_ratio(int(n), v):.2f}x | {plan.get('ceiling', float('nan')):.2f}x |")
-            L.append("")
-        if n in res.splice:
-            L.append("**Splice test** (share of the ridge fill's ΔNLL removed when the filled rows' late-layer K, or V, "
-                     "is replaced by the exact one; the exact prefill fills the same cells first; hybrids: \"state\" "
-                     "starts every late recurrent layer's tail from the exact prefix's state):\n")
-            L.append("(\"undefined\": in some bootstrap resample the fill's pooled ΔNLL is not above 0, so there is "
-                     "nothing to apportion; the point estimate is shown when the fill's own ΔNLL CI is above 0. "
-                     "\"—\": the fill's ΔNLL is not above 0 at all.)\n")
-            L.append("| spliced | novel | key | all |")
-            L.append("|---|---|---|---|")
-            ridge = s.get("ridge", {})
-            pos = {m: bool(ridge.get(m) and ridge[m]["delta"]["low"] > 0) for m in ("novel", "key", "all")}
-            for name in res.splice[n]:
-                sp = res.splice[n][name]
-                L.append(f"| {name} | " + " | ".join(_pct(sp.get(m), pos[m]) for m in ("novel", "key", "all")) + " |")
-            L.append("")
+        if n in res.summary:
+            L += _nll_sections(res, n)
         if n in res.retrieval:
-            r = res.retrieval[n]
-            first = next(iter(r.values()))
-            depths = list(first["by_depth"])
-            codes = first.get("codes", 1)
-            many = (f"; {codes} codes of different names per prompt, the others spread over the rows before the asked one, and "
-                    "answers giving one of theirs counted as distractor answers") if codes > 1 else ""
-            L.append("**Filled-region retrieval** (a 5-digit access code planted at a depth of the prefix, asked for "
-                     f"in the tail, 8 greedy tokens{many}; accuracy with a bootstrap CI over prompts; by depth: correct / "
-                     "prompts):\n")
-            L.append("\"kept\": of the prompts exact prefill answers, those the condition answers too.\n")
-            L.append("| condition | accuracy | kept | " + " | ".join(f"depth {d}" for d in depths) +
-                     (" | distractor answers |" if codes > 1 else " |"))
-            L.append("|---|---|---|" + "---|" * (len(depths) + (codes > 1)))
-            for cond, v in r.items():
-                kept = f"{v['kept'][0]}/{v['kept'][1]}" if "kept" in v else "—"
-                L.append(f"| {cond} | {_pct(v['accuracy'])} | {kept} | " +
-                         " | ".join(f"{sum(v['by_depth'][d])}/{len(v['by_depth'][d])}" for d in depths) +
-                         (f" | {v['distractor_answers']}/{len(v['answers'])} |" if codes > 1 else " |"))
-            L.append("")
+            L += _retrieval_section(res.retrieval[n])
     for p in plots:
         L.append(f"![{p}]({p})\n")
     return "\n".join(L) + "\n"
+
+
+def _nll_sections(res: EvalResult, n: str) -> list[str]:
+    """The ΔNLL, lever and splice tables of one prompt length."""
+    L = []
+    s = res.summary[n]
+    L.append(f"Key-token cut: K = {res.key_cut[n]['k']} ({res.key_cut[n]['note']})\n")
+    nd = len(res.docs[n]["exact"])
+    nov = sum(r["n_novel"] for r in res.docs[n]["exact"])
+    key = sum(r["n_key"] for r in res.docs[n]["exact"])
+    tok = sum(len(r["nll_exact"]) for r in res.docs[n]["exact"])
+    kinds = {}
+    for r in res.docs[n]["exact"]:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    L.append(f"n = {nd} documents ({', '.join(f'{v} {k}' for k, v in kinds.items())}); {tok} scored tokens, "
+             f"{nov} novel, {key} key.\n")
+    L.append("| variant | ΔNLL novel | ΔNLL key | ΔNLL all | perplexity ratio (all) | speed vs exact | ceiling 1/r |")
+    L.append("|---|---|---|---|---|---|---|")
+    for v, row in s.items():
+        plan = res.plans[n].get(v, res.plans[n].get("ridge" if v.startswith("ridge,") else v, {}))
+        L.append(f"| {v} | {_ci(row.get('novel') and row['novel']['delta'])} | "
+                 f"{_ci(row.get('key') and row['key']['delta'])} | {_ci(row.get('all') and row['all']['delta'])} | "
+                 f"{_ci(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
+                 f"{plan.get('ceiling', float('nan')):.2f}x |")
+    L.append("")
+    paired = (getattr(res, "paired", None) or {}).get(n) or {}
+    if paired:
+        L.append("**Levers** (each lever's ΔNLL minus the plain ridge fill's on the same documents and tokens, "
+                 "paired by document; below 0: the lever helps; 95 % bootstrap CI over documents):\n")
+        L.append("| lever | novel | key | all | speed vs exact | ceiling 1/r |")
+        L.append("|---|---|---|---|---|---|")
+        for v, row in paired.items():
+            plan = res.plans[n].get(v, {})
+            L.append(f"| {v} | " + " | ".join(_ci(row.get(m)) for m in ("novel", "key", "all")) +
+                     f" | {res.ttft_ratio(int(n), v):.2f}x | {plan.get('ceiling', float('nan')):.2f}x |")
+        L.append("")
+    if n in res.splice:
+        L.append("**Splice test** (share of the ridge fill's ΔNLL removed when the filled rows' late-layer K, or V, "
+                 "is replaced by the exact one; the exact prefill fills the same cells first; hybrids: \"state\" "
+                 "starts every late recurrent layer's tail from the exact prefix's state):\n")
+        L.append("(\"undefined\": in some bootstrap resample the fill's pooled ΔNLL is not above 0, so there is "
+                 "nothing to apportion; the point estimate is shown when the fill's own ΔNLL CI is above 0. "
+                 "\"—\": the fill's ΔNLL is not above 0 at all.)\n")
+        L.append("| spliced | novel | key | all |")
+        L.append("|---|---|---|---|")
+        ridge = s.get("ridge", {})
+        pos = {m: bool(ridge.get(m) and ridge[m]["delta"]["low"] > 0) for m in ("novel", "key", "all")}
+        for name in res.splice[n]:
+            sp = res.splice[n][name]
+            L.append(f"| {name} | " + " | ".join(_pct(sp.get(m), pos[m]) for m in ("novel", "key", "all")) + " |")
+        L.append("")
+    return L
+
+
+def _retrieval_section(r: dict) -> list[str]:
+    """The retrieval table of one prompt length."""
+    L = []
+    first = next(iter(r.values()))
+    depths = list(first["by_depth"])
+    codes = first.get("codes", 1)
+    many = (f"; {codes} codes of different names per prompt, the others spread over the rows before the asked one, and "
+            "answers giving one of theirs counted as distractor answers") if codes > 1 else ""
+    L.append("**Filled-region retrieval** (a 5-digit access code planted at a depth of the prefix, asked for "
+             f"in the tail, 8 greedy tokens{many}; accuracy with a bootstrap CI over prompts; by depth: correct / "
+             "prompts):\n")
+    L.append("\"kept\": of the prompts exact prefill answers, those the condition answers too.\n")
+    L.append("| condition | accuracy | kept | " + " | ".join(f"depth {d}" for d in depths) +
+             (" | distractor answers |" if codes > 1 else " |"))
+    L.append("|---|---|---|" + "---|" * (len(depths) + (codes > 1)))
+    for cond, v in r.items():
+        kept = f"{v['kept'][0]}/{v['kept'][1]}" if "kept" in v else "—"
+        L.append(f"| {cond} | {_pct(v['accuracy'])} | {kept} | " +
+                 " | ".join(f"{sum(v['by_depth'][d])}/{len(v['by_depth'][d])}" for d in depths) +
+                 (f" | {v['distractor_answers']}/{len(v['answers'])} |" if codes > 1 else " |"))
+    L.append("")
+    return L
 
 
 def agg_pyplot():
@@ -198,7 +213,7 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         paths.append(save_figure(fig, out / f"levers_{n}.png"))
 
     # split sweep: ridge at each split, ΔNLL (novel) and speed
-    if len(res.splits) > 1:
+    if len(res.splits) > 1 and res.summary:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         ax2 = ax.twinx()
         for n, s in sorted(res.summary.items(), key=lambda kv: int(kv[0])):

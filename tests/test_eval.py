@@ -173,3 +173,22 @@ def test_hybrid_splice_test_replaces_the_recurrent_state(tiny_models, tmp_path):
     ridge = np.mean([abs(r["all"][0]) for r in docs["ridge"]])
     spliced = np.mean([abs(r["all"][0]) for r in docs["ridge, exact state"]])
     assert spliced < ridge
+
+
+def test_retrieval_only(tiny_models, tiny_maps, cli, tmp_path):
+    """--docs 0: the retrieval prompts alone (no documents, no ΔNLL), in the report and on the console."""
+    out = tmp_path / "r"
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--quick", "--docs", "0", "--depths", "0.3,0.8",
+            "--retrieval-prompts", "1", "--selectors", "attention@4", "--threads", "1", "--out", out)
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert res["summary"] == {} and res["docs"] == {}
+    r1 = res["retrieval"]["1024"]
+    assert list(r1) == ["exact", "ridge, planted row filled", "ridge, attention selector", "identity, planted row filled",
+                        "identity, attention selector", "ridge, attention@4 selector"]
+    assert all(len(v["answers"]) == 2 and list(v["by_depth"]) == ["0.3", "0.8"] for v in r1.values())
+    md = (out / "report.md").read_text()
+    assert "retrieval only (no documents)" in md and "| ridge, attention@4 selector |" in md and "ΔNLL novel |" not in md
+    assert "filled-region" in r.output and "attention@4" in r.output  # the console table
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--quick", "--docs", "1", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "0 (retrieval only) or an integer >= 2" in r.output
