@@ -602,7 +602,7 @@ struct llama_ridgefill_params llama_ridgefill_default_params(void) {
         /*.n_key_rescale  =*/ 0,
         /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_SINK | LLAMA_RIDGEFILL_CLASS_DIGIT,
         /*.state_correction  =*/ LLAMA_RIDGEFILL_STATE_CORRECTION_NONE,
-        /*.span              =*/ 1,
+        /*.span              =*/ 16,
     };
     return p;
 }

@@ -152,8 +152,8 @@ extern "C" {
                                    //   needs maps with state gains)
         int32_t span;              // attention and probe selectors: rows are taken by the highest score
                                    //   within the span of `span` rows around them, so the rows around
-                                   //   each top-scoring row stay exact together; 1: single rows, at
-                                   //   most LLAMA_RIDGEFILL_MAX_SPAN
+                                   //   each top-scoring row stay exact together (default 16); 1:
+                                   //   single rows; at most LLAMA_RIDGEFILL_MAX_SPAN
     };
 
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);

@@ -457,12 +457,15 @@ def _splice_shares(recs: dict, options: EvalOptions) -> dict:
 
 def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[str, RidgeFill | None]:
     """The retrieval conditions (name -> RidgeFill; None: exact prefill): ridge and identity fill
-    with the planted row filled (selector none) and with the attention selector, then each lever
-    selector of ``options.selectors`` with ridge."""
+    with the planted row filled (selector none) and with the attention selector (with the span of
+    ``options.selector`` when it gives one, e.g. ``attention@1``), then each lever selector of
+    ``options.selectors`` with ridge."""
+    span = settings.parse_selector(options.selector).get("span")
+    attention = "attention" if span is None else f"attention@{span}"
     conditions = {"exact": None}
     for which, path in (("ridge", maps_path), ("identity", None)):
         conditions[f"{which}, planted row filled"] = options.ridgefill(path, split, "none")
-        conditions[f"{which}, attention selector"] = options.ridgefill(path, split, "attention")
+        conditions[f"{which}, {attention} selector"] = options.ridgefill(path, split, attention)
     for spec in options.selectors:
         conditions.setdefault(lever_name(spec), options.ridgefill(maps_path, split, spec))
     return conditions

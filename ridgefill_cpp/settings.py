@@ -34,8 +34,9 @@ MIN_PROMPT = 1024
 #: the attention selector's query rows (the last prompt rows)
 N_QUERIES = 64
 #: the attention and probe selectors' span: rows are taken by the highest score within the span of
-#: this many rows around them (1: single rows); at most MAX_SPAN (LLAMA_RIDGEFILL_MAX_SPAN)
-SPAN = 1
+#: this many rows around them (1: single rows); at most MAX_SPAN (LLAMA_RIDGEFILL_MAX_SPAN). 16 keeps
+#: a planted fact whole where single rows keep only its name (docs/selector-spans)
+SPAN = 16
 MAX_SPAN = 4096
 #: filled rows per fill step (0: n_ubatch)
 FILL_CHUNK = 0

@@ -360,11 +360,11 @@ def test_select_exact_rows_rounding_and_ties():
     with pytest.raises(ValueError, match="fraction"):
         n_selected(10, 1.5)
     scores = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.5, 3.0, 9.0, 9.0])  # the last two: tail rows
-    assert select_exact_rows(scores, prefix_len=6, fraction=0.5) == [1, 3, 5]
-    assert select_exact_rows(scores, prefix_len=6, fraction=0.3) == [1, 3]  # tie: earlier rows
-    assert select_exact_rows(scores, prefix_len=6, fraction=0.1) == [1]
-    assert select_exact_rows(scores, prefix_len=6, fraction=0.0) == []
-    assert select_exact_rows(scores, prefix_len=6, fraction=1.0) == [0, 1, 2, 3, 4, 5]
+    assert select_exact_rows(scores, prefix_len=6, fraction=0.5, span=1) == [1, 3, 5]
+    assert select_exact_rows(scores, prefix_len=6, fraction=0.3, span=1) == [1, 3]  # tie: earlier rows
+    assert select_exact_rows(scores, prefix_len=6, fraction=0.1, span=1) == [1]
+    assert select_exact_rows(scores, prefix_len=6, fraction=0.0, span=1) == []
+    assert select_exact_rows(scores, prefix_len=6, fraction=1.0, span=1) == [0, 1, 2, 3, 4, 5]
     assert select_exact_rows(scores, prefix_len=0) == []
 
 
@@ -372,7 +372,7 @@ def test_select_exact_rows_rounding_and_ties():
 def test_select_attention_rows_is_the_top_of_the_scores(arch, oracles, prompt):
     o = oracles[arch]
     S = _split(o)
-    chosen = select_attention_rows(o, prompt, split=S, tail=TAIL)
+    chosen = select_attention_rows(o, prompt, split=S, tail=TAIL, span=1)
     scores = attention_scores(o, prompt, default_selector_layer(o, S))
     prefix = scores[: N_TOKENS - TAIL]
     assert len(chosen) == n_selected(N_TOKENS - TAIL) == 15

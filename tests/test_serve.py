@@ -192,16 +192,16 @@ def test_server_args_stock_identity_and_maps(tiny_models, maps):
     # identity fill: the split, and every setting written out (built-in defaults)
     assert server_args(tiny, RidgeFill.identity(3), "127.0.0.1", 8081, ["-np", "4"]) == head + [
         "--ridgefill-split", "3", "--ridgefill-tail", "64", "--ridgefill-exact-fraction", "0.1",
-        "--ridgefill-selector", "attention", "--ridgefill-span", "1", "--ridgefill-min-prompt", "1024", "-np", "4"]
+        "--ridgefill-selector", "attention", "--ridgefill-span", "16", "--ridgefill-min-prompt", "1024", "-np", "4"]
     # maps with explicit settings (no split flag: the file's); no API key on the command line
-    rf = RidgeFill(maps, tail=32, exact_fraction=0.05, selector="attention+protected", span=16, min_prompt=0)
+    rf = RidgeFill(maps, tail=32, exact_fraction=0.05, selector="attention+protected", span=4, min_prompt=0)
     assert server_args(tiny, rf, "127.0.0.1", 8081, ["--metrics", "--api-key", "k2", "--api-key=k3"], api_key="k") == head + [
         "--ridgefill-maps", str(maps), "--ridgefill-tail", "32", "--ridgefill-exact-fraction", "0.05",
-        "--ridgefill-selector", "attention+protected", "--ridgefill-span", "16", "--ridgefill-min-prompt", "0", "--metrics"]
+        "--ridgefill-selector", "attention+protected", "--ridgefill-span", "4", "--ridgefill-min-prompt", "0", "--metrics"]
     # a map file path alone: RidgeFill(path)'s settings (no tuned values here: built-in)
     assert server_args(tiny, maps, "127.0.0.1", 8081) == head + [
         "--ridgefill-maps", str(maps), "--ridgefill-tail", "64", "--ridgefill-exact-fraction", "0.1",
-        "--ridgefill-selector", "attention", "--ridgefill-span", "1", "--ridgefill-min-prompt", "1024"]
+        "--ridgefill-selector", "attention", "--ridgefill-span", "16", "--ridgefill-min-prompt", "1024"]
 
 
 def test_api_keys_go_to_the_environment_never_the_command_line(tmp_path):
@@ -243,7 +243,7 @@ def test_server_args_use_the_tuned_defaults_and_arguments_win(tiny_models, tuned
 
     assert flags(server_args(tiny, tuned_maps, "127.0.0.1", 1)) == {
         "--ridgefill-maps": str(tuned_maps), "--ridgefill-tail": "12", "--ridgefill-exact-fraction": "0.25",
-        "--ridgefill-selector": "none", "--ridgefill-span": "1", "--ridgefill-min-prompt": "1024"}
+        "--ridgefill-selector": "none", "--ridgefill-span": "16", "--ridgefill-min-prompt": "1024"}
     got = flags(server_args(tiny, RidgeFill(tuned_maps, tail=20, min_prompt=512), "127.0.0.1", 1))
     assert (got["--ridgefill-tail"], got["--ridgefill-exact-fraction"], got["--ridgefill-selector"],
             got["--ridgefill-min-prompt"]) == ("20", "0.25", "none", "512")

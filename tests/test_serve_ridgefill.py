@@ -144,7 +144,7 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     assert (st["n_prompt"], st["split"], st["n_layer"], st["tail"]) == (400, 3, 6, 16)
     assert st["n_exact"] == lib[2]["n_exact"] == int(np.ceil(0.1 * (400 - 16)))
     assert st["n_filled"] == 400 - 16 - st["n_exact"]
-    assert st["selector"] == "attention" and st["exact_fraction"] == pytest.approx(0.1) and st["span"] == 1
+    assert st["selector"] == "attention" and st["exact_fraction"] == pytest.approx(0.1) and st["span"] == 16
     r = 3 / 6 + (1 - 3 / 6) * (16 + st["n_exact"]) / 400
     assert st["ceiling"] == pytest.approx(1 / r, rel=1e-5)
     assert 0 < st["late_ms"] <= st["prefill_ms"]
@@ -155,7 +155,7 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     assert st["late_rows"] == lib[2]["late_rows"] and st["late_rows"]["attention"] > 0
     # GET /props tells clients the server's settings
     props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
-    assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "span": 1,
+    assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "span": 16,
                      "min_prompt": 64}
 
 
@@ -176,18 +176,18 @@ def test_per_request_settings_override_the_servers(tiny, tiny_models):
     model = tiny_models["llama"]
     prompt = _prompt(model, 300, shift=7)
     for over in ({"tail": 32, "exact_fraction": 0.0, "selector": "none"}, {"selector": "protected", "exact_fraction": 0.2},
-                 {"tail": 8}, {"span": 16}, {"selector": "probe", "span": 5}):
+                 {"tail": 8}, {"span": 1}, {"selector": "probe", "span": 5}):
         res = _complete(tiny, prompt, ridgefill=over)
         kw = dict(TINY_RF)
         kw.update(over)
         _assert_same(res, _library(model, prompt, RidgeFill.identity(**kw)))
         st = res["ridgefill"]
         assert st["applied"] and st["tail"] == kw["tail"] and st["selector"] == kw["selector"]
-        assert st["span"] == kw.get("span", 1)
+        assert st["span"] == kw.get("span", 16)
         assert st["n_filled"] == 300 - kw["tail"] - st["n_exact"]
     # back to the server's settings
     res = _complete(tiny, prompt, ridgefill=True)
-    assert res["ridgefill"]["tail"] == 16 and res["ridgefill"]["selector"] == "attention" and res["ridgefill"]["span"] == 1
+    assert res["ridgefill"]["tail"] == 16 and res["ridgefill"]["selector"] == "attention" and res["ridgefill"]["span"] == 16
 
 
 BAD = [("yes", "must be false"), (1, "must be false"), ([], "must be false"), ({"tail": 0}, '"tail"'),

@@ -77,6 +77,7 @@ DEFAULT_VALUE_RESCALE = 512
 #: attention selector defaults (docs/design.md §5)
 DEFAULT_N_QUERIES = 64
 DEFAULT_FRACTION = 0.10
+DEFAULT_SPAN = 16
 
 
 @dataclass
@@ -371,11 +372,11 @@ def fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "Ri
 def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, maps: "RidgeMaps | None" = None,
                        tail: int, fraction: float = DEFAULT_FRACTION, n_queries: int = DEFAULT_N_QUERIES,
                        value_rescale: int = DEFAULT_VALUE_RESCALE, key_rescale: int = 0,
-                       tail_logits: bool = False) -> FillOutput:
+                       tail_logits: bool = False, span: int = DEFAULT_SPAN) -> FillOutput:
     """The `probe` selector (docs/design.md §5) end to end. Probe pass: every prefix row filled (value and
     key scales measured in this pass), the tail runs the late layers against that cache, and the
     last min(n_queries, T) rows' attention at each full-attention late layer scores the rows. The
-    top ceil(fraction · prefix) prefix rows are selected; they and the tail then run the late layers
+    top ceil(fraction · prefix) prefix rows are selected (by ``span``: :func:`rows_by_score`); they and the tail then run the late layers
     exactly over the probe's filled rows (their cells are overwritten by the exact K/V). No rows
     selected: the probe pass is the result. ``n_probe`` = T when the second pass ran.
     """
@@ -385,7 +386,7 @@ def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, map
     if not probe.active:
         return probe
     prefix_len = len(tokens) - probe.tail
-    chosen = select_exact_rows(probe.probe_scores, prefix_len, fraction)
+    chosen = select_exact_rows(probe.probe_scores, prefix_len, fraction, span)
     if not chosen:
         return probe
     out = fill_forward(oracle, tokens, split=split, maps=maps, tail=tail, exact_positions=chosen,
@@ -475,7 +476,7 @@ def _output(oracle, tokens, positions, split, tail, roles, active, layer_inputs,
 
 def select_attention_protected_rows(scores: torch.Tensor, tokens: Sequence[int], texts: Sequence[str],
                                     control: Sequence[bool], prefix_len: int, fraction: float = DEFAULT_FRACTION,
-                                    classes: int = CLASS_SINK | CLASS_DIGIT, span: int = 1) -> list[int]:
+                                    classes: int = CLASS_SINK | CLASS_DIGIT, span: int = DEFAULT_SPAN) -> list[int]:
     """The `attention+protected` selector: the protected rows (:func:`select_protected_rows`, at most
     ceil(fraction · prefix_len)), then the other prefix rows by score (:func:`rows_by_score` with
     ``span``; ties: the earlier row) up to ceil(fraction · prefix_len) in all."""
@@ -587,7 +588,7 @@ def rows_by_score(scores: torch.Tensor, prefix_len: int, span: int = 1) -> list[
 
 
 def select_exact_rows(scores: torch.Tensor, prefix_len: int, fraction: float = DEFAULT_FRACTION,
-                      span: int = 1) -> list[int]:
+                      span: int = DEFAULT_SPAN) -> list[int]:
     """The top :func:`n_selected` (ceil(fraction · prefix_len)) prefix rows by score, as sorted
     positions. Only rows 0..prefix_len-1 compete; ties go to the earlier position. ``span`` > 1:
     rows rank by the highest score within the span around them (:func:`rows_by_score`), so the
@@ -600,7 +601,7 @@ def select_exact_rows(scores: torch.Tensor, prefix_len: int, fraction: float = D
 
 def select_attention_rows(oracle: Oracle, tokens: Sequence[int], *, split: int, tail: int,
                           fraction: float = DEFAULT_FRACTION, n_queries: int = DEFAULT_N_QUERIES,
-                          layer: int | None = None, span: int = 1) -> list[int]:
+                          layer: int | None = None, span: int = DEFAULT_SPAN) -> list[int]:
     """The `attention` selector end to end: score at `layer` (default
     :func:`default_selector_layer`), keep the top ceil(fraction · prefix) prefix rows (by span:
     :func:`rows_by_score`)."""
