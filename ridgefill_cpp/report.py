@@ -193,7 +193,8 @@ def _plots(res: EvalResult, out: Path) -> list[Path]:
         ax.axhline(0, color="black", lw=0.8)
         ax.set_ylabel("ΔNLL vs exact (nats)")
         ax.set_title(f"{Path(res.model).name}, {n}-token prompts (95 % CI over documents)")
-        ax.legend(fontsize=8)
+        if variants:  # none when a metric has no tokens for every variant (e.g. no key tokens)
+            ax.legend(fontsize=8)
         paths.append(save_figure(fig, out / f"delta_nll_{n}.png"))
 
     # levers: each one's paired ΔNLL difference against plain ridge (a forest plot), and its speed
