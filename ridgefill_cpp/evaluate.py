@@ -533,6 +533,8 @@ def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
             preds.append(llm.detokenize(greedy_continuation(llm, logits[-1], 8)).decode(errors="replace"))
             tick(f"retrieval ({cond})")
         correct = metrics.retrieval_correct(preds, answers)
+        if rf is None:  # exact prefill, the first condition: what the others are kept against
+            exact = correct
         # a wrong answer that names another planted code: the model read the wrong fact
         confused = [not c and any(o in p for o in other) for p, c, other in zip(preds, correct, others)]
         by_depth: dict[str, list[bool]] = {}
@@ -540,10 +542,8 @@ def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
             by_depth.setdefault(f"{dep:g}", []).append(bool(c))
         acc = metrics.bootstrap_ci(correct.astype(np.float64), n_boot=options.n_boot, seed=options.seed)
         out[cond] = {"by_depth": by_depth, "accuracy": acc._asdict(), "predictions": preds, "answers": answers,
-                     "codes": options.codes, "distractor_answers": int(sum(confused)), "correct": correct.tolist()}
-    # what exact prefill retrieves, kept: the share of the prompts exact answers that a condition also answers
-    exact = np.array(out["exact"]["correct"], dtype=bool)
-    for v in out.values():
-        v["kept"] = [int((np.array(v["correct"], dtype=bool) & exact).sum()), int(exact.sum())]
+                     "codes": options.codes, "distractor_answers": int(sum(confused)), "correct": correct.tolist(),
+                     # of the prompts exact prefill answers, those this condition answers too
+                     "kept": [int((correct & exact).sum()), int(exact.sum())]}
     return out
 
