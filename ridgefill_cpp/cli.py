@@ -596,6 +596,7 @@ def bench(
 def eval_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
     maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
+    compare_maps: Optional[list[Path]] = typer.Option(None, "--compare-maps", help="Another map file for the first one's split (e.g. `fit --ctx 4096`, other text); repeat for more. Each is a ridge variant with a paired ΔNLL difference against the first file and a retrieval condition with the attention selector."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     lengths: Optional[str] = typer.Option(None, "--lengths", "-l", help="Prompt lengths in tokens, comma-separated "
                                           f"(default {_csv(settings.EVAL_LENGTHS)}; --quick: {_csv(settings.EVAL_QUICK['lengths'])})."),
@@ -640,7 +641,7 @@ def eval_cmd(
                   console=err) as bar:
         task = bar.add_task("", total=None)
         try:
-            res = evaluate(model, maps, options, texts=texts,
+            res = evaluate(model, maps, options, texts=texts, compare_maps=compare_maps or (),
                            progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
         except (ValueError, MapFileError) as e:
             _fail(str(e))

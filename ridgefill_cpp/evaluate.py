@@ -18,6 +18,9 @@ one context of the patched llama.cpp:
   asked-for one), and answers naming a distractor's code are counted apart.
 * **Speed of the same runs**: median exact prefill time over median RidgeFill prefill time.
 * **Split sweep**: with map files for several splits, ΔNLL and speed per split.
+* **Map comparison**: other map files for the main split (e.g. fitted on longer windows, other
+  text): each is a ridge variant with a paired ΔNLL difference against the main maps and a
+  retrieval condition.
 
 Texts: the evaluation split of the default corpus (Python's reference documentation and stdlib
 sources, PSF-2.0; disjoint from the calibration split ``fit`` uses) and the licence texts in
@@ -41,7 +44,7 @@ from .bench import greedy_continuation
 from .corpus import default_documents, default_source_description
 from .fit import bos_prefix
 from .gguf_model import read_model_info
-from .mapfile import map_file_splits
+from .mapfile import MapFileError, compatibility_problems, map_file_splits, read_map_file
 from .prefill import Llama, RidgeFill
 
 LICENCE_DIR = Path("/usr/share/common-licenses")
@@ -268,6 +271,8 @@ class EvalResult:
     plans: dict = field(default_factory=dict)
     # length -> lever variant -> {"all"|"novel"|"key": CI of (variant ΔNLL − ridge ΔNLL), paired by document}
     paired: dict = field(default_factory=dict)
+    # variant name -> map file of the map comparison (other maps for the first split)
+    compared_maps: dict = field(default_factory=dict)
     elapsed_s: float | None = None   # wall time of the whole evaluation
 
     def ttft_ratio(self, n: int, variant: str) -> float:
@@ -281,17 +286,49 @@ def _variant_name(split: int, first_split: int, kind: str = "ridge") -> str:
     return kind if split == first_split else f"{kind} S={split}"
 
 
+def maps_variant_names(maps: Sequence[os.PathLike | str], model: os.PathLike | str) -> list[str]:
+    """The variant name of each map file of a comparison (all for the split of the first, whose
+    variant is plain ``ridge``): ``ridge (LABEL)``, LABEL saying how its calibration differs from
+    the first file's (window rows, tokens, text, objective), else its file name. Raises
+    :class:`MapFileError` when a file does not fit ``model`` or is for another split."""
+    resolved = [Path(m).resolve() for m in maps]
+    if len(set(resolved)) != len(resolved):
+        raise MapFileError("a map file is listed twice: " + ", ".join(str(m) for m in maps))
+    metas = [read_map_file(m).meta for m in maps]
+    for m, meta in zip(maps, metas):
+        problems = compatibility_problems(meta, model)
+        if problems:
+            raise MapFileError(f"{m}: the maps do not fit {model}: " + "; ".join(problems))
+        if meta.split_layer != metas[0].split_layer:
+            raise MapFileError(f"{m}: maps for S = {meta.split_layer}; a comparison needs maps for the main "
+                               f"split (S = {metas[0].split_layer})")
+    first, names = metas[0], ["ridge"]
+    for m, meta in zip(maps[1:], metas[1:]):
+        diff = [f"{meta.calib_ctx}-row windows" if meta.calib_ctx != first.calib_ctx else "",
+                f"{meta.calib_n_tokens} tokens" if meta.calib_n_tokens != first.calib_n_tokens else "",
+                f"text {meta.calib_source}" if meta.calib_source != first.calib_source else "",
+                f"{meta.objective} objective" if meta.objective != first.objective else ""]
+        label = ", ".join(d for d in diff if d) or Path(m).name
+        name = f"ridge ({label})"
+        names.append(name if name not in names else f"ridge ({Path(m).name}, {label})")
+    return names
+
+
 def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], options: EvalOptions | None = None,
              texts: dict[str, list[tuple[str, str]]] | None = None,
-             progress: Callable[[int, int, str], None] | None = None) -> EvalResult:
+             progress: Callable[[int, int, str], None] | None = None,
+             compare_maps: Sequence[os.PathLike | str] = ()) -> EvalResult:
     """Run the evaluation (see the module docstring). ``maps``: one map file, or several (one per
-    split: the first is the main setting, the others form the split sweep)."""
+    split: the first is the main setting, the others form the split sweep). ``compare_maps``: other
+    map files for the first one's split, each a ridge variant (:func:`maps_variant_names`) with a
+    paired ΔNLL difference against the first and a retrieval condition with the attention selector."""
     options = options or EvalOptions()
     if not maps:
         raise ValueError("eval needs a map file (--maps)")
     options.check()  # what reaches the C parameters of every prefill (int32: no silent wrap-around)
     info = read_model_info(model)
     splits = map_file_splits(maps, model)
+    compared = dict(zip(maps_variant_names([maps[0], *compare_maps], model)[1:], compare_maps))
     lengths = sorted({int(n) for n in options.lengths})
     if not lengths or lengths[0] < 4 * options.tail:
         raise ValueError(f"prompt lengths must be at least 4 x the tail ({4 * options.tail})")
@@ -304,7 +341,8 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
 
     S0 = splits[0]
     res = EvalResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
-                     n_layer=info.n_layer, options=asdict(options), sources=text_sources(texts), key_cut={})
+                     n_layer=info.n_layer, options=asdict(options), sources=text_sources(texts), key_cut={},
+                     compared_maps={name: str(m) for name, m in compared.items()})
     T = options.tail
     # hybrids: the late recurrent layers, whose boundary state the splice test also replaces
     rec_layers = [il for il in info.recurrent_layers if il >= S0]
@@ -312,16 +350,18 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     ridge = options.ridgefill(maps[0], S0)
     fills = {"ridge": ridge, "identity": options.ridgefill(None, S0)}
     fills.update({_variant_name(s, S0): options.ridgefill(m, s) for m, s in zip(maps[1:], splits[1:])})
+    fills.update({name: options.ridgefill(m, S0) for name, m in compared.items()})
     if options.key_rescale > 0:
         fills["ridge + key rescale"] = options.ridgefill(maps[0], S0, key_rescale=options.key_rescale)
     fills.update({lever_name(x): options.ridgefill(maps[0], S0, x) for x in options.selectors})
-    levers = (["ridge + key rescale"] if options.key_rescale > 0 else []) + [lever_name(x) for x in options.selectors]
+    levers = (list(compared) + (["ridge + key rescale"] if options.key_rescale > 0 else [])
+              + [lever_name(x) for x in options.selectors])
     splices = {"ridge, exact K": options.ridgefill(maps[0], S0, splice="K"),
                "ridge, exact V": options.ridgefill(maps[0], S0, splice="V")} if options.splice else {}
     variants = list(fills) + list(splices) + (["ridge, exact state"] if options.splice and rec_layers else [])
     # exact, cut, the fills, (exact + splice) x (K, V[, state])
     per_doc_runs = 2 + len(fills) + 2 * (len(variants) - len(fills))
-    conditions = _retrieval_conditions(options, maps[0], S0)
+    conditions = _retrieval_conditions(options, maps[0], S0, compared)
     n_retr = len(options.depths) * options.names_per_depth
     tick = Ticker(len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions)), progress)
     llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge)
@@ -455,10 +495,12 @@ def _splice_shares(recs: dict, options: EvalOptions) -> dict:
     return out
 
 
-def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[str, RidgeFill | None]:
+def _retrieval_conditions(options: EvalOptions, maps_path, split: int,
+                          compared: dict[str, os.PathLike | str] | None = None) -> dict[str, RidgeFill | None]:
     """The retrieval conditions (name -> RidgeFill; None: exact prefill): ridge and identity fill
     with the planted row filled (selector none) and with the attention selector (with the span of
-    ``options.selector`` when it gives one, e.g. ``attention@1``), then each lever selector of
+    ``options.selector`` when it gives one, e.g. ``attention@1``), ridge with each map file of
+    ``compared`` (variant name -> path) and the attention selector, then each lever selector of
     ``options.selectors`` with ridge."""
     span = settings.parse_selector(options.selector).get("span")
     attention = "attention" if span is None else f"attention@{span}"
@@ -466,6 +508,8 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int) -> dict[s
     for which, path in (("ridge", maps_path), ("identity", None)):
         conditions[f"{which}, planted row filled"] = options.ridgefill(path, split, "none")
         conditions[f"{which}, {attention} selector"] = options.ridgefill(path, split, attention)
+    for name, path in (compared or {}).items():
+        conditions[f"{name}, {attention} selector"] = options.ridgefill(path, split, attention)
     for spec in options.selectors:
         conditions.setdefault(lever_name(spec), options.ridgefill(maps_path, split, spec))
     return conditions

@@ -56,6 +56,10 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
     L.append(f"# RidgeFill quality report: {Path(res.model).name}\n")
     L.append(f"- model: `{Path(res.model).name}` ({res.architecture}, {res.n_layer} layers)")
     L.append(f"- maps: " + ", ".join(f"`{Path(m).name}` (S = {s})" for m, s in zip(res.maps, res.splits)))
+    compared = getattr(res, "compared_maps", None) or {}
+    if compared:
+        L.append("- compared maps (the first file's split; paired against it): "
+                 + ", ".join(f"`{Path(m).name}` as \"{v}\"" for v, m in compared.items()))
     L.append(f"- settings: T = {o['tail']}, selector {o['selector']} at {o['exact_fraction']:g} of the prefix, "
              f"value rescale c = {o['value_rescale']}; prompts of {', '.join(str(n) for n in o['lengths'])} tokens; "
              + (f"{o['n_docs']} documents per length; 95 % percentile-bootstrap CIs over documents ({o['n_boot']} resamples)"

@@ -192,3 +192,39 @@ def test_retrieval_only(tiny_models, tiny_maps, cli, tmp_path):
     assert "filled-region" in r.output and "attention@4" in r.output  # the console table
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--quick", "--docs", "1", "--out", tmp_path / "x")
     assert r.exit_code == 1 and "0 (retrieval only) or an integer >= 2" in r.output
+
+
+def test_compare_maps(tiny_models, tiny_maps, cli, tmp_path):
+    """--compare-maps: other map files for the main split, each a ridge variant named by how its
+    calibration differs, paired against the main maps and with a retrieval condition. A byte copy of
+    the main file must score exactly like it (paired difference 0, the same answers); maps fitted on
+    other windows must not."""
+    model = tiny_models["llama"]
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_maps[0].read_bytes())
+    fit = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=3000, ctx=256, split=4, n_threads=1))
+    longer = write_map_file(tmp_path / "tiny.ctx256.S4.gguf", fit.maps)
+    res = evaluate(model, [tiny_maps[0], tiny_maps[1]],
+                   EvalOptions.quick(n_docs=2, splice=False, n_threads=1, lengths=[512], depths=(0.3, 0.7),
+                                     names_per_depth=1, selector="attention@4"),
+                   compare_maps=[copy, longer])
+    same = "ridge (copy.gguf)"
+    other = next(v for v in res.compared_maps if v != same)  # 256-row windows hold other rows: tokens differ too
+    assert other.startswith("ridge (256-row windows, ") and other.endswith(" tokens)")
+    assert res.compared_maps == {same: str(copy), other: str(longer)}
+    assert set(res.paired["512"]) == {same, other}
+    for m in ("all", "novel"):
+        assert res.paired["512"][same][m]["estimate"] == res.paired["512"][same][m]["low"] == 0.0
+    assert [r["all"] for r in res.docs["512"][same]] == [r["all"] for r in res.docs["512"]["ridge"]]
+    assert [r["all"] for r in res.docs["512"][other]] != [r["all"] for r in res.docs["512"]["ridge"]]
+    r = res.retrieval["512"]
+    assert r[f"{same}, attention@4 selector"]["predictions"] == r["ridge, attention@4 selector"]["predictions"]
+    assert f"{other}, attention@4 selector" in r and "ridge S=3" in res.summary["512"]
+    write_report(res, tmp_path / "r", 1.0)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert f'`tiny.ctx256.S4.gguf` as "{other}"' in md and f"| {other} |" in md
+    # maps for another split, or the main file again: refused, naming the file
+    for bad, why in ((tiny_maps[1], "a comparison needs maps for the main split (S = 4)"), (tiny_maps[0], "listed twice")):
+        r = cli("eval", model, "--maps", tiny_maps[0], "--compare-maps", bad, "--quick", "--out", tmp_path / "x")
+        assert r.exit_code == 1 and why in r.output, r.output
+    assert not (tmp_path / "x").exists()
