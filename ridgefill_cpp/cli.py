@@ -287,8 +287,11 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
         measured = ", ".join(f"{label} {tuned[key]:{fmt}}" for key, label, fmt in
                              (("delta_nll_novel", "novel ΔNLL", "+.4f"), ("speedup", "speed", ".2f"),
                               ("budget", "budget", "g")) if key in tuned)
+        span = f" (span {tuned['span']})" if "span" in tuned and tuned["selector"] in settings.SPAN_SELECTORS else ""
+        checked = (f"; retrieval kept {tuned['retrieval_kept']}/{tuned['retrieval_exact']} of exact's on "
+                   f"{tuned['retrieval_prompts']} prompts" if "retrieval_prompts" in tuned else "")
         t.add_row("tuned defaults", f"T = {tuned['tail']}, exact fraction {tuned['exact_fraction']:g}, selector "
-                                    f"{tuned['selector']} (ridgefill-gguf tune: {measured})")
+                                    f"{tuned['selector']}{span} (ridgefill-gguf tune: {measured}{checked})")
     out.print(t)
     out.print(_quality_table(meta, "held-out fit quality (relative error of the direction the layer sees)"))
     if problems is not None:
@@ -488,13 +491,18 @@ def _check_prefill_args(model: Path, lengths: Optional[str], selector: str) -> O
 
 def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: Optional[float],
                      selector: Optional[str]) -> tuple[int, float, str]:
-    """T, exact fraction and selector for bench and eval, resolved by ``RidgeFill`` as for the
+    """T, exact fraction and selector spec for bench and eval, resolved by ``RidgeFill`` as for the
     library and ``serve``: the option when given, else the map file's tuned value (``ridgefill-gguf
-    tune``), else the built-in default. Says on stderr which came from the map file."""
+    tune``), else the built-in default. A tuned span goes into the spec (``attention@32``) when
+    the selector takes one and the spec gives none. Says on stderr which came from the map file."""
     from .mapfile import MapFileError
     from .prefill import RidgeFill
 
-    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector}
+    try:
+        spec_span = selector is not None and settings.parse_selector(selector).get("span")
+    except ValueError:
+        spec_span = None  # the caller's check says what is wrong with the spec
+    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector, "span": spec_span or None}
     tuned = None
     if maps is not None and None in given.values():
         try:
@@ -502,11 +510,16 @@ def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: 
         except (MapFileError, ValueError) as e:
             _fail(str(e))
     value, origin = settings.resolve_tunable(given, tuned)
+    spec = str(value["selector"])
+    if origin["span"] == "map file" and spec.partition(":")[0] in settings.SPAN_SELECTORS:
+        spec += f"@{value['span']}"
+    else:
+        origin["span"] = "built-in"  # not used: the spec gives it, or the selector takes none
     from_file = [f"{k} {value[k]:g}" if k == "exact_fraction" else f"{k} {value[k]}"
                  for k in given if origin[k] == "map file"]
     if from_file:
         err.print(f"the map file's tuned defaults: {', '.join(from_file)} (give the option to override)", highlight=False)
-    return int(value["tail"]), float(value["exact_fraction"]), str(value["selector"])
+    return int(value["tail"]), float(value["exact_fraction"]), spec
 
 
 @app.command("bench")
@@ -941,6 +954,9 @@ def tune_cmd(
     tails: Optional[str] = typer.Option(None, "--tails", help=f"Tails T to search, comma-separated (default {_csv(settings.TUNE_TAILS)}; each below --length / 4)."),
     fractions: Optional[str] = typer.Option(None, "--fractions", help=f"Exact fractions to search, comma-separated, each in [0, 1] (default {_csv(settings.TUNE_FRACTIONS)})."),
     selector: Optional[str] = typer.Option(None, "--selector", help=f"Exact-row selector of every setting: {_SELECTORS} (protected: {' + '.join(settings.PROTECTED)}; default {settings.SELECTOR}); written into the map file with the chosen setting."),
+    spans: Optional[str] = typer.Option(None, "--spans", help=f"Spans to search, comma-separated, each in 1..{settings.MAX_SPAN}: the rows kept exact together around each top-scoring row ({' and '.join(settings.SPAN_SELECTORS)} selectors; 1: single rows; default {_csv(settings.TUNE_SPANS)})."),
+    retrieval_prompts: Optional[int] = typer.Option(None, "--retrieval-prompts", min=0, help=f"Planted-code retrieval prompts every setting must answer wherever exact prefill does, at depths spread over the filled region (0: no retrieval check; default {settings.TUNE_RETRIEVAL_PROMPTS})."),
+    codes: Optional[int] = typer.Option(None, "--codes", min=1, max=12, help=f"Codes of different names planted per retrieval prompt: the one asked for and distractors before it (default {settings.TUNE_RETRIEVAL_CODES})."),
     length: Optional[int] = typer.Option(None, "--length", "-l", min=8, help=f"Prompt length of the held-out documents, in tokens (default {settings.TUNE_LENGTH})."),
     docs: Optional[int] = typer.Option(None, "--docs", min=2, help=f"Held-out documents (the CIs are bootstrapped over them; default {settings.TUNE_DOCS})."),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off), the same for every setting (default {settings.VALUE_RESCALE})."),
@@ -951,10 +967,11 @@ def tune_cmd(
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write pareto.png, tune.json and tune.md into this directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of tables."),
 ) -> None:
-    """Find the fastest operating point within a quality budget: for every split (map file), tail T
-    and exact fraction, prefill held-out documents with RidgeFill and exactly, score the novel-token
-    ΔNLL of the same last rows with a bootstrap CI over documents and the measured speedup, and write
-    the fastest setting within --budget into its map file's metadata (ridgefill.tuned.*), where
+    """Find the fastest operating point within a quality budget: for every split (map file), tail T,
+    exact fraction and span, prefill held-out documents with RidgeFill and exactly, score the
+    novel-token ΔNLL of the same last rows with a bootstrap CI over documents and the measured
+    speedup, check planted-code retrieval against exact prefill, and write the fastest setting
+    within --budget that keeps retrieval into its map file's metadata (ridgefill.tuned.*), where
     RidgeFill(path) and Llama(..., ridgefill=path) pick it up. Shows every setting and the Pareto
     front (speedup vs ΔNLL)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
@@ -965,6 +982,7 @@ def tune_cmd(
 
     ts = None if tails is None else _number_list(tails, "--tails", int)
     fs = None if fractions is None else _number_list(fractions, "--fractions", float)
+    ws = None if spans is None else _number_list(spans, "--spans", int)
     if not budget > 0:
         _fail(f"--budget must be a positive number of nats, not {budget:g}")
     if selector is not None and selector not in settings.SELECTORS:
@@ -973,8 +991,9 @@ def tune_cmd(
         _check_output_dir(out_dir, "--out")
     texts = _read_text_option(text)
     options = TuneOptions(n_threads=threads, strict=strict,
-                          **_given(tails=ts and tuple(ts), fractions=fs and tuple(fs), selector=selector, length=length,
-                                   n_docs=docs, value_rescale=value_rescale))
+                          **_given(tails=ts and tuple(ts), fractions=fs and tuple(fs), spans=ws and tuple(ws),
+                                   selector=selector, length=length, n_docs=docs, value_rescale=value_rescale,
+                                   retrieval_prompts=retrieval_prompts, codes=codes))
     failure = None
     with Progress(TextColumn("tuning: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                   console=err) as bar:
@@ -998,12 +1017,15 @@ def tune_cmd(
     if as_json:
         return
     best = res.best
+    kept = (f", retrieval {best.retrieval['kept'][0]}/{best.retrieval['kept'][1]} of exact's"
+            if best.retrieval is not None else "")
     out.print(f"[bold green]chosen:[/] {best.label} ({best.selector} selector): novel ΔNLL {best.delta:+.4f} "
-              f"(budget {res.budget:g}), speedup {best.speedup:.2f}x, ceiling {best.ceiling:.2f}x", highlight=False)
+              f"(budget {res.budget:g}){kept}, speedup {best.speedup:.2f}x, ceiling {best.ceiling:.2f}x", highlight=False)
     if res.written:
+        span = f", span={best.span}" if best.selector in settings.SPAN_SELECTORS else ""
         out.print(f"wrote the tuned defaults into {res.written}: RidgeFill(path) and Llama(..., ridgefill=path) use "
-                  f"tail={best.tail}, exact_fraction={best.exact_fraction:g}, selector={best.selector!r} unless given",
-                  highlight=False)
+                  f"tail={best.tail}, exact_fraction={best.exact_fraction:g}, selector={best.selector!r}{span} "
+                  "unless given", highlight=False)
     else:
         out.print(f"dry run: {best.maps} was not modified", highlight=False)
     if paths:
@@ -1012,11 +1034,16 @@ def tune_cmd(
 
 def _show_tune(res) -> None:
     crit = "CI upper bound" if res.options["strict"] else "estimate"
-    t = Table(title=f"{Path(res.model).name}: {len(res.points)} settings (S split, T tail, f exact fraction), "
+    retr = res.retrieval is not None
+    t = Table(title=f"{Path(res.model).name}: {len(res.points)} settings (S split, T tail, f exact fraction, w span), "
                     f"{res.options['length']}-token prompts, {len(res.documents)} documents; ΔNLL vs exact (nats, "
-                    f"95 % CI) on the last {res.scored_rows} rows; speedup measured, 1/r the ceiling; ok: within the "
-                    f"budget {res.budget:g} ({crit})")
-    for col in ("S", "T", "f", "ΔNLL novel", "ΔNLL all", "speedup", "1/r", "ok", "front"):
+                    f"95 % CI) on the last {res.scored_rows} rows; speedup measured, 1/r the ceiling; "
+                    + (f"retrieval: of the {sum(res.retrieval['exact_correct'])} of {len(res.retrieval['answers'])} "
+                       "planted codes exact prefill retrieves, those kept; " if retr else "")
+                    + f"ok: within the budget {res.budget:g} ({crit})" + (" and every code kept" if retr else ""))
+    spans = res.options["selector"] in settings.SPAN_SELECTORS
+    for col in ("S", "T", "f") + (("w",) if spans else ()) + ("ΔNLL novel", "ΔNLL all", "speedup", "1/r") \
+            + (("retrieval",) if retr else ()) + ("ok", "front"):
         t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", min_width=len(col) if len(col) < 8 else None)
 
     def ci(d):
@@ -1027,8 +1054,9 @@ def _show_tune(res) -> None:
         return f"{d['estimate']:+.4f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
     for i, p in enumerate(res.points):
-        t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", ci(p.novel),
-                  f"{p.all['estimate']:+.4f}" if p.all else "—", f"{p.speedup:.2f}x",
-                  f"{p.ceiling:.2f}x", "yes" if p.feasible else "no", "●" if p.on_front else "",
+        t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", *([str(p.span)] if spans else []), ci(p.novel),
+                  f"{p.all['estimate']:+.4f}" if p.all else "—", f"{p.speedup:.2f}x", f"{p.ceiling:.2f}x",
+                  *([f"{p.retrieval['kept'][0]}/{p.retrieval['kept'][1]}"] if retr else []),
+                  "yes" if p.feasible else "no", "●" if p.on_front else "",
                   style="bold green" if i == res.chosen else None)
     out.print(t)

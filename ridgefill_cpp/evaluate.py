@@ -545,6 +545,19 @@ def plant_facts(bos: list[int], filler: Sequence[int], facts: Sequence[tuple[flo
     return toks
 
 
+def retrieval_question(name: str) -> str:
+    """The retrieval prompt's question about ``name``'s code, at the end of the prompt (in the tail)."""
+    return f"\n\nQuestion: What is the access code for {name}?\nAnswer: The access code for {name} is"
+
+
+def check_retrieval_tail(tokenize, tail: int) -> None:
+    """ValueError unless every retrieval question fits a tail of ``tail`` rows."""
+    longest = max(len(tokenize(retrieval_question(name))) for name in NAMES)
+    if longest >= tail:
+        raise ValueError(f"the retrieval question ({longest} tokens) does not fit a tail of {tail} rows: use a tail "
+                         f"of at least {longest + 1}")
+
+
 def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
                conditions: dict[str, RidgeFill | None], tick: Ticker) -> dict:
     """Planted-fact prompts: the fact in the filled region at each depth, the question in the tail
@@ -564,7 +577,7 @@ def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
                 codes += [code] if code not in codes else []
             facts = [(d, tokenize(f" The access code for {name} is {code}. "))
                      for d, name, code in zip([depth, *distractor_depths(depth, options.codes)], who, codes)]
-            question = tokenize(f"\n\nQuestion: What is the access code for {who[0]}?\nAnswer: The access code for {who[0]} is")
+            question = tokenize(retrieval_question(who[0]))
             prompts.append(plant_facts(bos, filler, facts, question, n, options.tail))
             answers.append(codes[0])
             others.append(codes[1:])

@@ -88,6 +88,7 @@ TUNED_KEYS: dict[str, tuple[str, bool, str]] = {
     "tail": ("UINT32", True, "T, the last prompt rows kept exact"),
     "exact_fraction": ("FLOAT64", True, "share of the prefix rows the selector keeps exact"),
     "selector": ("STRING", True, "exact-row selector"),
+    "span": ("UINT32", False, "rows kept exact together around each top-scoring row (attention, probe)"),
     "budget": ("FLOAT64", False, "the novel-token ΔNLL budget (nats) the setting was chosen under"),
     "criterion": ("STRING", False, "'estimate' (point estimate <= budget) or 'upper' (CI upper bound, --strict)"),
     "delta_nll_novel": ("FLOAT64", False, "measured novel-token ΔNLL (nats), point estimate"),
@@ -100,6 +101,9 @@ TUNED_KEYS: dict[str, tuple[str, bool, str]] = {
     "n_docs": ("UINT32", False, "held-out documents measured"),
     "length": ("UINT32", False, "prompt length of the documents (tokens)"),
     "scored_rows": ("UINT32", False, "last prompt rows scored per document"),
+    "retrieval_prompts": ("UINT32", False, "planted-code retrieval prompts the setting was checked on"),
+    "retrieval_exact": ("UINT32", False, "of them, those exact prefill answers"),
+    "retrieval_kept": ("UINT32", False, "of those, the ones the setting answers too"),
     "source": ("STRING", False, "the held-out text"),
     "tool_version": ("STRING", False, "ridgefill-cpp version that tuned"),
     "date": ("STRING", False, "when it was tuned (ISO 8601, UTC)"),
@@ -539,8 +543,9 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
                 raise ValueError(f"tuned {name} = {value!r} must be finite")
         values[name] = value
     tuned_defaults_from_metadata({TUNED_PREFIX + k: v for k, v in values.items()}, path)  # required keys present
-    for name in ("tail", "exact_fraction"):  # what RidgeFill(path) will check (the tail: an int32 in the C parameters)
-        check_setting(name, values[name], label=f"tuned {name}")
+    for name in ("tail", "exact_fraction", "span"):  # what RidgeFill(path) will check (int32s in the C parameters)
+        if name in values:
+            check_setting(name, values[name], label=f"tuned {name}")
 
     return rewrite_map_file(
         path, drop_key=lambda name: name.startswith(TUNED_PREFIX),

@@ -42,11 +42,11 @@ class RidgeFill:
     ``maps``: the map file written by ``ridgefill-gguf fit`` (None: identity fill, x̂ = x_S, which
     needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
     exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``tail``,
-    ``exact_fraction`` and ``selector`` left as None resolve to the operating point
+    ``exact_fraction``, ``selector`` and ``span`` left as None resolve to the operating point
     ``ridgefill-gguf tune`` wrote into the map file (its ``ridgefill.tuned.*`` keys), else to the
     built-in defaults (:data:`ridgefill_cpp.settings.TUNABLE_DEFAULTS`); an explicit argument
     always wins. After construction they hold the resolved values; :attr:`tuned` is the map file's
-    tuned operating point (None: it has none) and :attr:`origin` says where each of the three came
+    tuned operating point (None: it has none) and :attr:`origin` says where each of the four came
     from (``"argument"``, ``"map file"`` or ``"built-in"``).
     ``selector``: ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
@@ -85,7 +85,7 @@ class RidgeFill:
     key_rescale: int = settings.KEY_RESCALE
     min_prompt: int = settings.MIN_PROMPT
     n_queries: int = settings.N_QUERIES
-    span: int = settings.SPAN
+    span: int | None = None
     selector_layer: int | None = None
     fill_chunk: int = settings.FILL_CHUNK
     protected: str | Sequence[str] = settings.PROTECTED
@@ -95,7 +95,7 @@ class RidgeFill:
     positions: tuple[int, ...] = field(default=(), init=False, repr=False)
     #: the map file's tuned operating point (``ridgefill.tuned.*``), None when it has none
     tuned: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
-    #: where ``tail``, ``exact_fraction`` and ``selector`` came from: "argument", "map file" or "built-in"
+    #: where ``tail``, ``exact_fraction``, ``selector`` and ``span`` came from: "argument", "map file" or "built-in"
     origin: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     #: the built-in defaults of the settings ``ridgefill-gguf tune`` can choose
@@ -129,9 +129,10 @@ class RidgeFill:
         if self.split is not None:
             settings.check("split", self.split)
         settings.check("tail", self.tail, hint=tuned_hint("tail"))
+        settings.check("span", self.span, hint=tuned_hint("span"))
         object.__setattr__(self, "exact_fraction",
                            settings.check("exact_fraction", self.exact_fraction, hint=tuned_hint("exact_fraction")))
-        for name in ("value_rescale", "key_rescale", "min_prompt", "n_queries", "span"):
+        for name in ("value_rescale", "key_rescale", "min_prompt", "n_queries"):
             settings.check(name, getattr(self, name))
         if self.selector_layer is not None:
             settings.check("selector_layer", self.selector_layer)

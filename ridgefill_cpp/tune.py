@@ -1,8 +1,9 @@
 """``ridgefill-gguf tune``: an automatic operating point (issue #8, item 4).
 
-Searches split (one map file per split), tail T and exact fraction for the **fastest** setting
-whose novel-token ΔNLL on held-out text stays within a budget (nats), and writes the chosen
-defaults into that map file's metadata (``ridgefill.tuned.*``, :func:`mapfile.write_tuned_defaults`),
+Searches split (one map file per split), tail T, exact fraction and the selector's span for the
+**fastest** setting whose novel-token ΔNLL on held-out text stays within a budget (nats) and that
+keeps every planted code exact prefill retrieves, and writes the chosen defaults into that map
+file's metadata (``ridgefill.tuned.*``, :func:`mapfile.write_tuned_defaults`),
 where ``RidgeFill(path)`` and ``Llama(..., ridgefill=path)`` pick them up.
 
 How it measures (one context of the patched llama.cpp, as ``eval`` does):
@@ -18,15 +19,21 @@ How it measures (one context of the patched llama.cpp, as ``eval`` does):
   token-weighted mean with a percentile-bootstrap CI over documents.
 * **Speed**: median exact prefill time / median RidgeFill prefill time over the documents, next to
   the plan's compute ceiling 1/r (docs/design.md §4).
+* **Retrieval** (``retrieval_prompts`` > 0): ``eval``'s planted-code prompts of the same length
+  (``RETRIEVAL_ANSWER`` tokens shorter, so that the greedy answer fits the documents' context;
+  ``codes`` facts of different names each; the asked-for one at depths spread over 0.1-0.9 of the
+  region before the smallest tail, the question in that tail), greedy answers; exact prefill
+  first, then every setting.
 
 A setting is *feasible* when its novel ΔNLL point estimate is within the budget (``strict``: the
-CI's upper bound). The chosen setting is the feasible one with the highest measured speedup (ties:
+CI's upper bound) and it answers every retrieval prompt exact prefill answers. The chosen setting is the feasible one with the highest measured speedup (ties:
 higher ceiling, then lower ΔNLL). The Pareto front (:func:`pareto_front`) is over (speedup, novel
 ΔNLL). The library never prints; ``progress(done, total, what)`` reports runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -40,8 +47,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import __version__, metrics, settings
-from .evaluate import (Ticker, build_documents, default_texts, open_context, plan_summary, text_sources, text_tokenizer,
-                       timed_prefill)
+from .evaluate import (EvalOptions, Ticker, _retrieval, build_documents, check_retrieval_tail, default_texts,
+                       open_context, plan_summary, text_sources, text_tokenizer, timed_prefill)
 from .files import write_bytes
 from .fit import bos_prefix
 from .gguf_model import read_model_info
@@ -50,11 +57,18 @@ from .prefill import RidgeFill
 from .report import agg_pyplot, save_figure
 
 
+#: the retrieval prompts are this many tokens shorter than the documents: room for the answer
+RETRIEVAL_ANSWER = 16
+
+
 @dataclass
 class TuneOptions:
     tails: tuple[int, ...] = settings.TUNE_TAILS
     fractions: tuple[float, ...] = settings.TUNE_FRACTIONS
     selector: str = settings.SELECTOR     # a name of settings.SELECTORS, the same for every setting
+    spans: tuple[int, ...] = settings.TUNE_SPANS  # searched with the span selectors (attention, probe)
+    retrieval_prompts: int = settings.TUNE_RETRIEVAL_PROMPTS  # 0: no retrieval check
+    codes: int = settings.TUNE_RETRIEVAL_CODES  # planted facts per retrieval prompt
     length: int = settings.TUNE_LENGTH    # prompt length of the held-out documents (tokens)
     n_docs: int = settings.TUNE_DOCS
     value_rescale: int = settings.VALUE_RESCALE
@@ -74,6 +88,7 @@ class TunePoint:
     tail: int
     exact_fraction: float
     selector: str
+    span: int = settings.SPAN
     novel: dict | None = None         # CI of the novel-token ΔNLL as a dict (estimate, low, high, n)
     all: dict | None = None           # CI of the ΔNLL over all scored tokens
     novel_tokens: int = 0
@@ -83,12 +98,22 @@ class TunePoint:
     ceiling: float = 1.0              # the plan's 1/r (median over documents)
     n_exact: float = 0.0              # selected exact prefix rows (median over documents)
     docs: list[dict] = field(default_factory=list)     # per document: {"all": [mean, n], "novel": [mean, n]}
+    #: the retrieval check: {"correct": [bool per prompt], "predictions": [...], "kept": [kept, exact's]};
+    #: None when it was not run
+    retrieval: dict | None = None
     feasible: bool = False
     on_front: bool = False
 
     @property
     def label(self) -> str:
-        return f"S={self.split} T={self.tail} f={self.exact_fraction:g}"
+        span = f" w={self.span}" if self.selector in settings.SPAN_SELECTORS else ""
+        return f"S={self.split} T={self.tail} f={self.exact_fraction:g}{span}"
+
+    @property
+    def keeps_retrieval(self) -> bool:
+        """Every retrieval prompt exact prefill answers, this setting answers too (True when the
+        check was not run)."""
+        return self.retrieval is None or self.retrieval["kept"][0] == self.retrieval["kept"][1]
 
     @property
     def delta(self) -> float:
@@ -107,6 +132,9 @@ class TuneResult:
     options: dict
     sources: list[str]
     scored_rows: int                  # the last min(tails) prompt rows
+    #: the retrieval check's prompts: {"depths", "answers", "exact": exact prefill's predictions,
+    #: "exact_correct"}; None when it was not run
+    retrieval: dict | None = None
     documents: list[dict] = field(default_factory=list)   # name, kind, novel tokens
     exact_times: list[float] = field(default_factory=list)
     points: list[TunePoint] = field(default_factory=list)
@@ -167,9 +195,10 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def is_feasible(point: TunePoint, budget: float, strict: bool = False) -> bool:
-    """Within the budget: the novel ΔNLL point estimate (``strict``: the CI's upper bound) <= budget.
-    A setting with no novel token scored, or no interval under ``strict``, is not feasible."""
-    if not point.novel:
+    """Within the budget: the novel ΔNLL point estimate (``strict``: the CI's upper bound) <= budget,
+    and the setting keeps retrieval (:attr:`TunePoint.keeps_retrieval`). A setting with no novel
+    token scored, or no interval under ``strict``, is not feasible."""
+    if not point.novel or not point.keeps_retrieval:
         return False
     value = point.novel["high"] if strict else point.novel["estimate"]
     return value == value and value <= budget
@@ -186,6 +215,21 @@ def choose(points: Sequence[TunePoint]) -> int | None:
 
 # ------------------------------------------------------------------------------------------------
 # checks
+
+
+def check_spans(spans: Sequence[int], selector: str) -> tuple[int, ...]:
+    """The sorted, de-duplicated spans to search with ``selector`` (ValueError says what is wrong):
+    one or more spans in 1..MAX_SPAN; selectors without a span (protected, none) search one."""
+    spans = list(spans)
+    if not spans:
+        raise ValueError("no spans to search (give at least one)")
+    for w in spans:
+        settings.check("span", w)
+    spans = sorted({int(w) for w in spans})
+    if len(spans) > 1 and selector not in settings.SPAN_SELECTORS:
+        raise ValueError(f"spans {', '.join(map(str, spans))}: only {settings.names(settings.SPAN_SELECTORS)} take a "
+                         f"span, not the {selector} selector")
+    return tuple(spans)
 
 
 def check_grid(tails: Sequence[int], fractions: Sequence[float], length: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -218,8 +262,9 @@ def check_grid(tails: Sequence[int], fractions: Sequence[float], length: int) ->
 def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: float,
          options: TuneOptions | None = None, texts: dict[str, list[tuple[str, str]]] | None = None,
          progress: Callable[[int, int, str], None] | None = None, *, write: bool = True) -> TuneResult:
-    """Measure every (map file, tail, fraction) and choose the fastest setting within ``budget``
-    (novel-token ΔNLL, nats); write it into that map file's metadata unless ``write`` is False.
+    """Measure every (map file, tail, fraction, span) and choose the fastest setting within ``budget``
+    (novel-token ΔNLL, nats) that keeps retrieval; write it into that map file's metadata unless
+    ``write`` is False.
     Raises :class:`NoFeasibleSetting` (a ValueError, nothing written) when no setting is within the
     budget, ValueError / MapFileError for bad input. The model file is only read."""
     options = options or TuneOptions()
@@ -231,8 +276,16 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     tails, fractions = check_grid(options.tails, options.fractions, options.length)
     if options.selector not in settings.SELECTORS:
         raise ValueError(f"selector {options.selector!r}: tune measures one of {settings.names(settings.SELECTORS)}")
+    spans = check_spans(options.spans, options.selector)
     if options.n_docs < 2:
         raise ValueError(f"n_docs {options.n_docs}: a confidence interval needs at least 2 documents")
+    if isinstance(options.retrieval_prompts, bool) or not isinstance(options.retrieval_prompts, int) \
+            or options.retrieval_prompts < 0:
+        raise ValueError(f"retrieval prompts {options.retrieval_prompts!r}: an integer >= 0 (0: no retrieval check)")
+    retrieval = EvalOptions(tail=tails[0], codes=options.codes, names_per_depth=1, n_boot=options.n_boot,
+                            seed=options.seed, depths=tuple(float(d) for d in np.linspace(0.1, 0.9, options.retrieval_prompts))
+                            if options.retrieval_prompts > 1 else (0.5,))
+    retrieval.check()
     settings.check("value_rescale", options.value_rescale)  # an int32 in the C parameters
     info = read_model_info(model)
     if info.context_length and options.length > info.context_length:
@@ -246,23 +299,26 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     res = TuneResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, budget=float(budget), options=asdict(options), sources=text_sources(texts),
                      scored_rows=k)
-    res.options["tails"], res.options["fractions"] = list(tails), list(fractions)
-    res.points = [TunePoint(str(m), s, t, f, options.selector) for m, s in zip(maps, splits) for t in tails
-                  for f in fractions]
-    tick = Ticker(1 + options.n_docs * (1 + len(res.points)), progress)
+    res.options["tails"], res.options["fractions"], res.options["spans"] = list(tails), list(fractions), list(spans)
+    res.points = [TunePoint(str(m), s, t, f, options.selector, w) for m, s in zip(maps, splits) for t in tails
+                  for f in fractions for w in spans]
+    n_retr = options.retrieval_prompts * (1 + len(res.points))
+    tick = Ticker(1 + options.n_docs * (1 + len(res.points)) + n_retr, progress)
 
     # every setting, measured with min_prompt 0 (the documents are the prompts)
     fills = [RidgeFill(p.maps, split=p.split, tail=p.tail, exact_fraction=p.exact_fraction, selector=p.selector,
-                       value_rescale=options.value_rescale, min_prompt=0) for p in res.points]
+                       span=p.span, value_rescale=options.value_rescale, min_prompt=0) for p in res.points]
     ceilings: list[list[float]] = [[] for _ in res.points]
     n_exacts: list[list[float]] = [[] for _ in res.points]
     llm = open_context(model, n, options.n_batch, options.n_threads, fills[0])
     try:
+        if options.retrieval_prompts:  # before any measurement: the questions go into the smallest tail
+            check_retrieval_tail(text_tokenizer(llm), tails[0])
         docs = build_documents(text_tokenizer(llm), bos_prefix(llm), texts, n, options.n_docs)
         if len(docs) < 2:
             raise ValueError(f"the held-out text holds only {len(docs)} document of {n + 1} tokens: "
                              "a confidence interval needs at least 2")
-        tick.total = 1 + len(docs) * (1 + len(res.points))
+        tick.total = 1 + len(docs) * (1 + len(res.points)) + n_retr
         # warm-up, not timed: the context's first exact and first RidgeFill prefill allocate buffers
         timed_prefill(llm, None, docs[0].tokens[:n], k)
         timed_prefill(llm, fills[0], docs[0].tokens[:n], k)
@@ -285,6 +341,14 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
                 p.docs.append({"doc": d.name, "all": list(metrics.document_delta(nll, nll_exact)),
                                "novel": list(metrics.document_delta(nll, nll_exact, novel))})
                 tick(p.label)
+        if options.retrieval_prompts:
+            conds = {"exact": None, **{str(i): rf for i, rf in enumerate(fills)}}
+            # prompts RETRIEVAL_ANSWER rows shorter than the documents: the greedy answer fits the context
+            r = _retrieval(llm, text_tokenizer(llm), bos_prefix(llm), texts, n - RETRIEVAL_ANSWER, retrieval, conds, tick)
+            res.retrieval = {"depths": list(retrieval.depths), "codes": options.codes, "answers": r["exact"]["answers"],
+                             "exact": r["exact"]["predictions"], "exact_correct": r["exact"]["correct"]}
+            for i, p in enumerate(res.points):
+                p.retrieval = {k: r[str(i)][k] for k in ("correct", "predictions", "kept")}
     finally:
         llm.close()
 
@@ -319,6 +383,16 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
 
         best = min(scored, key=key)
         what = "CI upper bound" if options.strict else "estimate"
+        lost = [p for p in scored if not p.keeps_retrieval and is_feasible(dataclasses.replace(p, retrieval=None),
+                                                                           budget, options.strict)]
+        if lost:
+            fastest = max(lost, key=lambda p: p.speedup)
+            kept, of = fastest.retrieval["kept"]
+            raise NoFeasibleSetting(
+                f"no setting is within the budget of {budget:g} nats and keeps retrieval: {len(lost)} within the "
+                f"budget lose planted codes exact prefill retrieves (the fastest, {fastest.label}, keeps {kept} of "
+                f"{of}); add larger exact fractions, spans or tails, or a later split's map file (nothing was written)",
+                res)
         raise NoFeasibleSetting(
             f"no setting is within the budget of {budget:g} nats: the best novel-token ΔNLL {what} reached is "
             f"{key(best):+.4f} ({best.label}); raise the budget, add larger exact fractions or tails, or a later "
@@ -326,7 +400,8 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
 
     p = res.best
     res.defaults = {
-        "tail": p.tail, "exact_fraction": p.exact_fraction, "selector": p.selector, "budget": float(budget),
+        "tail": p.tail, "exact_fraction": p.exact_fraction, "selector": p.selector,
+        "span": p.span if p.selector in settings.SPAN_SELECTORS else None, "budget": float(budget),
         "criterion": "upper" if options.strict else "estimate",
         "delta_nll_novel": p.novel["estimate"],
         "delta_nll_novel_low": p.novel["low"] if p.novel["low"] == p.novel["low"] else None,
@@ -334,6 +409,8 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         "delta_nll_all": p.all["estimate"] if p.all else None,
         "speedup": p.speedup, "ceiling": p.ceiling, "value_rescale": options.value_rescale,
         "n_docs": len(res.documents), "length": n, "scored_rows": k,
+        **({"retrieval_prompts": len(p.retrieval["correct"]), "retrieval_exact": p.retrieval["kept"][1],
+            "retrieval_kept": p.retrieval["kept"][0]} if p.retrieval is not None else {}),
         "source": "; ".join(res.sources) or "unspecified",
         "tool_version": __version__,
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -411,13 +488,22 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
     L = [f"# RidgeFill operating point: {Path(res.model).name}\n"]
     L.append(f"- model: `{Path(res.model).name}` ({res.architecture}, {res.n_layer} layers)")
     L.append("- map files: " + ", ".join(f"`{Path(m).name}` (S = {s})" for m, s in zip(res.maps, res.splits)))
+    spans = o["selector"] in settings.SPAN_SELECTORS
     L.append(f"- grid: T in {{{', '.join(str(t) for t in o['tails'])}}}, exact fraction in "
-             f"{{{', '.join(f'{f:g}' for f in o['fractions'])}}}, selector {o['selector']}, value rescale c = "
-             f"{o['value_rescale']}")
+             f"{{{', '.join(f'{f:g}' for f in o['fractions'])}}}, selector {o['selector']}"
+             + (f", span in {{{', '.join(str(w) for w in o['spans'])}}}" if spans else "")
+             + f", value rescale c = {o['value_rescale']}")
+    r = res.retrieval
+    if r is not None:
+        L.append(f"- retrieval check: {len(r['answers'])} prompts of {o['length'] - RETRIEVAL_ANSWER} tokens, {r['codes']} planted codes "
+                 f"each (the asked-for one at depths {', '.join(f'{d:g}' for d in r['depths'])} of the region before "
+                 f"the smallest tail, distractors of other names before it); exact prefill retrieves "
+                 f"{sum(r['exact_correct'])}; a setting must retrieve every one of those")
     L.append(f"- {len(res.documents)} held-out documents of {o['length']} tokens; texts (disjoint from the calibration "
              "text of `fit`): " + "; ".join(res.sources))
     crit = "the CI's upper bound" if o["strict"] else "the point estimate"
-    L.append(f"- budget: novel-token ΔNLL <= {res.budget:g} nats ({crit})")
+    L.append(f"- budget: novel-token ΔNLL <= {res.budget:g} nats ({crit})"
+             + (" and every planted code exact prefill retrieves kept" if r is not None else ""))
     if res.elapsed_s is not None:
         L.append(f"- run time: {res.elapsed_s:.0f} s" if res.elapsed_s < 120 else f"- run time: {res.elapsed_s / 60:.1f} min")
     L.append("")
@@ -436,13 +522,16 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
         L.append("")
     else:
         L.append("**No setting is within the budget.**\n")
-    L.append("| split | T | fraction | ΔNLL novel | ΔNLL all | speedup | ceiling 1/r | feasible | on the front |")
-    L.append("|---:|---:|---:|---|---|---:|---:|:-:|:-:|")
+    L.append("| split | T | fraction |" + (" span |" if spans else "") + " ΔNLL novel | ΔNLL all | speedup | ceiling 1/r |"
+             + (" retrieval kept |" if r is not None else "") + " feasible | on the front |")
+    L.append("|---:|---:|---:|" + ("---:|" if spans else "") + "---|---|---:|---:|" + ("---:|" if r is not None else "")
+             + ":-:|:-:|")
     for i, p in enumerate(res.points):
         mark = " **(chosen)**" if i == res.chosen else ""
-        L.append(f"| {p.split} | {p.tail} | {p.exact_fraction:g} | {_ci_text(p.novel)} | {_ci_text(p.all)} | "
-                 f"{p.speedup:.2f}x | {p.ceiling:.2f}x | {'yes' if p.feasible else 'no'}{mark} | "
-                 f"{'yes' if p.on_front else ''} |")
+        L.append(f"| {p.split} | {p.tail} | {p.exact_fraction:g} |" + (f" {p.span} |" if spans else "")
+                 + f" {_ci_text(p.novel)} | {_ci_text(p.all)} | {p.speedup:.2f}x | {p.ceiling:.2f}x |"
+                 + (f" {p.retrieval['kept'][0]}/{p.retrieval['kept'][1]} |" if p.retrieval is not None else "")
+                 + f" {'yes' if p.feasible else 'no'}{mark} | {'yes' if p.on_front else ''} |")
     L.append("")
     if png:
         L.append(f"![{png}]({png})\n")
@@ -450,4 +539,4 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
 
 
 __all__ = ["TuneOptions", "TunePoint", "TuneResult", "NoFeasibleSetting", "tune", "pareto_front", "choose",
-           "is_feasible", "check_grid", "write_tune_report", "plot_pareto", "tune_markdown"]
+           "is_feasible", "check_grid", "check_spans", "write_tune_report", "plot_pareto", "tune_markdown"]

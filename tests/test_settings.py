@@ -63,9 +63,9 @@ def test_selector_grammar_and_checks():
     with pytest.raises(ValueError, match="splice 'Q'"):
         settings.check("splice", "Q")
     values, origin = settings.resolve_tunable({"tail": 8, "exact_fraction": None, "selector": None},
-                                              {"exact_fraction": 0.5})
-    assert values == {"tail": 8, "exact_fraction": 0.5, "selector": settings.SELECTOR}
-    assert origin == {"tail": "argument", "exact_fraction": "map file", "selector": "built-in"}
+                                              {"exact_fraction": 0.5, "span": 4})
+    assert values == {"tail": 8, "exact_fraction": 0.5, "selector": settings.SELECTOR, "span": 4}
+    assert origin == {"tail": "argument", "exact_fraction": "map file", "selector": "built-in", "span": "map file"}
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,13 @@ from ridgefill_cpp.gguf_model import read_header, read_metadata
 from ridgefill_cpp.mapfile import (TUNED_PREFIX, MapFileError, compatibility_problems, read_map_file,
                                    read_tuned_defaults, tuned_defaults_from_metadata, write_map_file,
                                    write_tuned_defaults)
-from ridgefill_cpp.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, choose, is_feasible,
+from ridgefill_cpp.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, check_spans, choose, is_feasible,
                                 pareto_front, tune)
 
-OPTS = dict(tails=(8, 16), fractions=(0.0, 0.5), length=256, n_docs=3, n_threads=1, n_boot=300)
-CLI_GRID = ("--tails", "8,16", "--fractions", "0,0.5", "--length", 256, "--docs", 3, "--threads", 1)
+# tails too short for the retrieval question: the retrieval check is off here, and on in its own tests
+OPTS = dict(tails=(8, 16), fractions=(0.0, 0.5), length=256, n_docs=3, n_threads=1, n_boot=300, retrieval_prompts=0)
+CLI_GRID = ("--tails", "8,16", "--fractions", "0,0.5", "--length", 256, "--docs", 3, "--threads", 1,
+            "--retrieval-prompts", 0)
 
 
 def _sha(path) -> str:
@@ -207,15 +209,16 @@ def test_ridgefill_uses_tuned_defaults_and_arguments_win(tiny_models, fitted, tm
     (path,) = _copies(fitted, tmp_path, splits=(3,))
     rf = RidgeFill(path)
     assert (rf.tail, rf.exact_fraction, rf.selector) == (64, 0.10, "attention") and rf.tuned is None
-    assert rf.origin == {"tail": "built-in", "exact_fraction": "built-in", "selector": "built-in"}
+    assert rf.origin == {"tail": "built-in", "exact_fraction": "built-in", "selector": "built-in", "span": "built-in"}
     assert read_tuned_defaults(path) is None
     write_tuned_defaults(path, {"tail": 12, "exact_fraction": 0.25, "selector": "none", "budget": 0.02})
     rf = RidgeFill(path, min_prompt=0)
     assert (rf.tail, rf.exact_fraction, rf.selector) == (12, 0.25, "none")
-    assert rf.tuned["budget"] == 0.02 and set(rf.origin.values()) == {"map file"}
+    assert rf.tuned["budget"] == 0.02 and rf.span == 16 and rf.origin.pop("span") == "built-in"
+    assert set(rf.origin.values()) == {"map file"}
     rf2 = RidgeFill(path, tail=5, selector=[3, 7], min_prompt=0)
     assert (rf2.tail, rf2.exact_fraction, rf2.selector, rf2.positions) == (5, 0.25, "positions", (3, 7))
-    assert rf2.origin == {"tail": "argument", "exact_fraction": "map file", "selector": "argument"}
+    assert rf2.origin == {"tail": "argument", "exact_fraction": "map file", "selector": "argument", "span": "built-in"}
     ident = RidgeFill.identity(3)
     assert (ident.tail, ident.exact_fraction, ident.selector, ident.tuned) == (64, 0.10, "attention", None)
     # the existing validation runs on the resolved values
@@ -363,6 +366,10 @@ def test_cli_tune_bad_input(tiny_models, fitted, cli, tmp_path):
         (("--budget", 0.1, "--tails", "8,64", "--length", 256), "tail 64 is not below length/4"),
         (("--budget", 0.1, "--selector", "random"), r"--selector must be one of attention, attention\+protected, probe, protected, none"),
         (("--budget", 0.1, "--length", 4096, "--tails", "8"), "longer than the model's context"),
+        (("--budget", 0.1, "--spans", "0"), "span 0 must be >= 1"),
+        (("--budget", 0.1, "--spans", "4097"), "span 4097 must be <= 4096"),
+        (("--budget", 0.1, "--spans", "1,4", "--selector", "protected"), "only attention, attention\\+protected, probe take a span"),
+        (("--budget", 0.1, "--tails", "8", "--length", 256), "the retrieval question \\(57 tokens\\) does not fit a tail of 8 rows"),
     ]
     for args, msg in cases:
         r = cli("tune", llama, "--maps", maps[0], *args, "--out", out)
@@ -375,5 +382,93 @@ def test_cli_tune_bad_input(tiny_models, fitted, cli, tmp_path):
     assert r.exit_code == 1 and "not a RidgeFill map file" in r.output
     # no setting within the budget: the table, then the error; nothing written
     r = cli("tune", llama, "--maps", maps[0], "--budget", 1e-6, "--strict", *CLI_GRID, "--out", out)
-    assert r.exit_code == 1 and "no setting is within the budget" in r.output and "budget 1e-06 (CI upper bound)" in r.output
+    said = " ".join(r.output.split())  # the table's title wraps
+    assert r.exit_code == 1 and "no setting is within the budget" in said and "budget 1e-06 (CI upper bound)" in said
     assert [p.read_bytes() for p in maps] == before and not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# spans and the retrieval check (issue #17)
+
+RETR = dict(tails=(60,), fractions=(0.0, 0.5), spans=(1, 4), length=256, n_docs=2, n_threads=1, n_boot=200,
+            retrieval_prompts=3)
+
+
+def test_tune_searches_spans_and_checks_retrieval(tiny_models, fitted, tmp_path):
+    """Every (fraction, span) is measured and checked on the same retrieval prompts as exact prefill;
+    the chosen span and the retrieval it kept go into the map file, and RidgeFill(path) uses the span."""
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    res = tune(tiny_models["llama"], [path], 10.0, TuneOptions(**RETR))
+    assert [(p.exact_fraction, p.span) for p in res.points] == [(0.0, 1), (0.0, 4), (0.5, 1), (0.5, 4)]
+    assert [p.label for p in res.points][:2] == ["S=4 T=60 f=0 w=1", "S=4 T=60 f=0 w=4"]
+    r = res.retrieval
+    assert r["depths"] == [0.1, 0.5, 0.9] and r["codes"] == 2 and len(r["answers"]) == len(r["exact"]) == 3
+    n_exact = sum(r["exact_correct"])
+    for p in res.points:
+        assert len(p.retrieval["correct"]) == len(p.retrieval["predictions"]) == 3
+        kept = sum(c and e for c, e in zip(p.retrieval["correct"], r["exact_correct"]))
+        assert p.retrieval["kept"] == [kept, n_exact]
+        assert p.feasible == (p.novel["estimate"] <= 10.0 and kept == n_exact)
+    t = read_tuned_defaults(path)
+    best = res.best
+    assert t["span"] == best.span and t["retrieval_prompts"] == 3
+    assert (t["retrieval_exact"], t["retrieval_kept"]) == (n_exact, n_exact)
+    rf = RidgeFill(path)
+    assert rf.span == best.span and rf.origin["span"] == "map file"
+    assert RidgeFill(path, span=7).span == 7  # an argument wins
+
+
+def test_check_spans():
+    assert check_spans([16, 1, 16], "attention") == (1, 16) and check_spans([8], "none") == (8,)
+    for spans, selector, msg in [([], "attention", "no spans"), ([0], "attention", "must be >= 1"),
+                                 ([4097], "probe", "must be <= 4096"), ([2.5], "attention", "must be an integer"),
+                                 ([1, 4], "protected", "only attention, attention\\+protected, probe take a span")]:
+        with pytest.raises(ValueError, match=msg):
+            check_spans(spans, selector)
+
+
+def test_a_setting_that_loses_a_code_is_not_feasible(tiny_models, fitted, tmp_path, monkeypatch):
+    """The retrieval check decides: with exact prefill answering every prompt and every setting
+    losing one, no setting is chosen however loose the budget, and the error says why."""
+    import ridgefill_cpp.tune as tune_mod
+
+    def retrieval(llm, tokenize, bos, texts, n, options, conditions, tick):
+        k = len(options.depths)
+        return {c: {"correct": [rf is None or i > 0 for i in range(k)], "predictions": ["12345"] * k,
+                    "answers": ["12345"] * k, "kept": [k if rf is None else k - 1, k]} for c, rf in conditions.items()}
+
+    monkeypatch.setattr(tune_mod, "_retrieval", retrieval)
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    before = path.read_bytes()
+    with pytest.raises(NoFeasibleSetting, match=r"keeps retrieval: 4 within the budget lose planted codes .* keeps 2 of 3"):
+        tune(tiny_models["llama"], [path], 10.0, TuneOptions(**RETR))
+    assert path.read_bytes() == before
+    p = TunePoint("m", 3, 60, 0.1, "attention", 4, novel={"estimate": 0.0, "low": 0.0, "high": 0.0, "n": 2})
+    assert is_feasible(p, 0.1)
+    p.retrieval = {"correct": [True, False], "predictions": [], "kept": [1, 2]}
+    assert not is_feasible(p, 0.1)
+    p.retrieval["kept"] = [2, 2]
+    assert is_feasible(p, 0.1)
+
+
+def test_cli_tune_spans_and_the_tuned_span_in_eval(tiny_models, fitted, cli, tmp_path):
+    """tune --spans: the table and report show span and retrieval; bench and eval then use the
+    file's tuned span (attention@W) unless the selector gives one."""
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    out = tmp_path / "out"
+    r = cli("tune", tiny_models["llama"], "--maps", path, "--budget", 10, "--tails", 60, "--fractions", "0,0.5",
+            "--spans", "1,4", "--length", 256, "--docs", 2, "--retrieval-prompts", 2, "--threads", 1, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "retrieval" in r.output and re.search(r"span=[14]\b", r.output), r.output
+    md = (out / "tune.md").read_text()
+    assert "span in {1, 4}" in md and "| span |" in md and "retrieval kept |" in md and "retrieval check: 2 prompts" in md
+    span = read_tuned_defaults(path)["span"]
+    r = cli("info", path)
+    assert r.exit_code == 0 and f"(span {span})" in r.output and "retrieval kept" in r.output, r.output
+    r = cli("eval", tiny_models["llama"], "--maps", path, "--quick", "--docs", 0, "--depths", "0.5", "--retrieval-prompts",
+            1, "--lengths", 256, "--tail", 60, "--threads", 1, "--out", tmp_path / "ev")
+    assert r.exit_code == 0, r.output
+    assert f"span {span}" in r.output  # the note on stderr: from the map file
+    d = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert d["options"]["selector"] == f"attention@{span}"
+    assert f"ridge, attention@{span} selector" in d["retrieval"]["256"]
