@@ -372,7 +372,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
         for n in lengths:
             key = str(n)
             if options.n_docs == 0:  # retrieval only
-                res.retrieval[key] = _retrieval(llm, tokenize, bos, texts, n, options, conditions, tick)
+                res.retrieval[key] = planted_code_retrieval(llm, tokenize, bos, texts, n, options, conditions, tick)
                 continue
             docs = build_documents(tokenize, bos, texts, n, options.n_docs)
             kc = metrics.scaled_key_cut(info.context_length or n, n - T)
@@ -434,7 +434,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
             res.paired[key] = _paired(recs, levers, options)
             if splices:
                 res.splice[key] = _splice_shares(recs, options)
-            res.retrieval[key] = _retrieval(llm, tokenize, bos, texts, n, options, conditions, tick)
+            res.retrieval[key] = planted_code_retrieval(llm, tokenize, bos, texts, n, options, conditions, tick)
     finally:
         llm.close()
     return res
@@ -500,7 +500,8 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int,
     """The retrieval conditions (name -> RidgeFill; None: exact prefill): ridge and identity fill
     with the planted row filled (selector none) and with the attention selector (with the span of
     ``options.selector`` when it gives one, e.g. ``attention@1``), ridge with each map file of
-    ``compared`` (variant name -> path) and the attention selector, then each lever selector of
+    ``compared`` (variant name -> path) and the attention selector, ridge with the key rescale
+    (``options.key_rescale`` > 0) and the attention selector, then each lever selector of
     ``options.selectors`` with ridge."""
     span = settings.parse_selector(options.selector).get("span")
     attention = "attention" if span is None else f"attention@{span}"
@@ -510,6 +511,9 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int,
         conditions[f"{which}, {attention} selector"] = options.ridgefill(path, split, attention)
     for name, path in (compared or {}).items():
         conditions[f"{name}, {attention} selector"] = options.ridgefill(path, split, attention)
+    if options.key_rescale > 0:
+        conditions[f"ridge + key rescale, {attention} selector"] = options.ridgefill(
+            maps_path, split, attention, key_rescale=options.key_rescale)
     for spec in options.selectors:
         conditions.setdefault(lever_name(spec), options.ridgefill(maps_path, split, spec))
     return conditions
@@ -558,7 +562,7 @@ def check_retrieval_tail(tokenize, tail: int) -> None:
                          f"of at least {longest + 1}")
 
 
-def _retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
+def planted_code_retrieval(llm: Llama, tokenize, bos, texts, n: int, options: EvalOptions,
                conditions: dict[str, RidgeFill | None], tick: Ticker) -> dict:
     """Planted-fact prompts: the fact in the filled region at each depth, the question in the tail
     (with ``options.codes`` > 1, the facts of other names elsewhere in the filled region)."""

@@ -26,8 +26,8 @@ How it measures (one context of the patched llama.cpp, as ``eval`` does):
   first, then every setting.
 
 A setting is *feasible* when its novel ΔNLL point estimate is within the budget (``strict``: the
-CI's upper bound) and it answers every retrieval prompt exact prefill answers. The chosen setting is the feasible one with the highest measured speedup (ties:
-higher ceiling, then lower ΔNLL). The Pareto front (:func:`pareto_front`) is over (speedup, novel
+CI's upper bound) and it answers every retrieval prompt exact prefill answers. The chosen setting
+is the feasible one with the highest measured speedup (ties: higher ceiling, then lower ΔNLL). The Pareto front (:func:`pareto_front`) is over (speedup, novel
 ΔNLL). The library never prints; ``progress(done, total, what)`` reports runs.
 """
 
@@ -47,8 +47,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import __version__, metrics, settings
-from .evaluate import (EvalOptions, Ticker, _retrieval, build_documents, check_retrieval_tail, default_texts,
-                       open_context, plan_summary, text_sources, text_tokenizer, timed_prefill)
+from .evaluate import (EvalOptions, Ticker, build_documents, check_retrieval_tail, default_texts, open_context,
+                       plan_summary, planted_code_retrieval, text_sources, text_tokenizer, timed_prefill)
 from .files import write_bytes
 from .fit import bos_prefix
 from .gguf_model import read_model_info
@@ -282,9 +282,9 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     if isinstance(options.retrieval_prompts, bool) or not isinstance(options.retrieval_prompts, int) \
             or options.retrieval_prompts < 0:
         raise ValueError(f"retrieval prompts {options.retrieval_prompts!r}: an integer >= 0 (0: no retrieval check)")
+    depths = np.linspace(0.1, 0.9, options.retrieval_prompts) if options.retrieval_prompts > 1 else (0.5,)
     retrieval = EvalOptions(tail=tails[0], codes=options.codes, names_per_depth=1, n_boot=options.n_boot,
-                            seed=options.seed, depths=tuple(float(d) for d in np.linspace(0.1, 0.9, options.retrieval_prompts))
-                            if options.retrieval_prompts > 1 else (0.5,))
+                            seed=options.seed, depths=tuple(round(float(d), 6) for d in depths))
     retrieval.check()
     settings.check("value_rescale", options.value_rescale)  # an int32 in the C parameters
     info = read_model_info(model)
@@ -344,7 +344,8 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         if options.retrieval_prompts:
             conds = {"exact": None, **{str(i): rf for i, rf in enumerate(fills)}}
             # prompts RETRIEVAL_ANSWER rows shorter than the documents: the greedy answer fits the context
-            r = _retrieval(llm, text_tokenizer(llm), bos_prefix(llm), texts, n - RETRIEVAL_ANSWER, retrieval, conds, tick)
+            r = planted_code_retrieval(llm, text_tokenizer(llm), bos_prefix(llm), texts, n - RETRIEVAL_ANSWER, retrieval,
+                                       conds, tick)
             res.retrieval = {"depths": list(retrieval.depths), "codes": options.codes, "answers": r["exact"]["answers"],
                              "exact": r["exact"]["predictions"], "exact_correct": r["exact"]["correct"]}
             for i, p in enumerate(res.points):
@@ -383,8 +384,8 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
 
         best = min(scored, key=key)
         what = "CI upper bound" if options.strict else "estimate"
-        lost = [p for p in scored if not p.keeps_retrieval and is_feasible(dataclasses.replace(p, retrieval=None),
-                                                                           budget, options.strict)]
+        lost = [p for p in scored
+                if not p.keeps_retrieval and is_feasible(dataclasses.replace(p, retrieval=None), budget, options.strict)]
         if lost:
             fastest = max(lost, key=lambda p: p.speedup)
             kept, of = fastest.retrieval["kept"]

@@ -69,6 +69,7 @@ def test_eval_quick_writes_a_well_formed_report(tiny_models, tiny_maps, cli, tmp
     assert len(d["docs"]["1024"]["exact"]) == 3
     assert set(d["retrieval"]["1024"]) == {"exact", "ridge, planted row filled", "ridge, attention selector",
                                            "identity, planted row filled", "identity, attention selector",
+                                           "ridge + key rescale, attention selector",
                                            "ridge, probe selector", "ridge, protected:digits+rare selector"}
     md = (out / "report.md").read_text()
     assert "## 1024-token prompts" in md and "Splice test" in md and "Filled-region retrieval" in md

@@ -437,7 +437,7 @@ def test_a_setting_that_loses_a_code_is_not_feasible(tiny_models, fitted, tmp_pa
         return {c: {"correct": [rf is None or i > 0 for i in range(k)], "predictions": ["12345"] * k,
                     "answers": ["12345"] * k, "kept": [k if rf is None else k - 1, k]} for c, rf in conditions.items()}
 
-    monkeypatch.setattr(tune_mod, "_retrieval", retrieval)
+    monkeypatch.setattr(tune_mod, "planted_code_retrieval", retrieval)
     (path,) = _copies(fitted, tmp_path, splits=(4,))
     before = path.read_bytes()
     with pytest.raises(NoFeasibleSetting, match=r"keeps retrieval: 4 within the budget lose planted codes .* keeps 2 of 3"):
