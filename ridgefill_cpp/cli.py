@@ -1011,9 +1011,12 @@ def tune_cmd(
         print(json.dumps(d, indent=2, allow_nan=False))
     else:
         _show_tune(res)
-    if failure:
-        _fail(failure)
+    # the report also when nothing is feasible: what was measured is kept (the map files are not touched)
     paths = write_tune_report(res, out_dir) if out_dir is not None else []
+    if failure:
+        if paths and not as_json:
+            err.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+        _fail(failure)
     if as_json:
         return
     best = res.best
@@ -1038,13 +1041,15 @@ def _show_tune(res) -> None:
     t = Table(title=f"{Path(res.model).name}: {len(res.points)} settings (S split, T tail, f exact fraction, w span), "
                     f"{res.options['length']}-token prompts, {len(res.documents)} documents; ΔNLL vs exact (nats, "
                     f"95 % CI) on the last {res.scored_rows} rows; speedup measured, 1/r the ceiling; "
-                    + (f"retrieval: of the {sum(res.retrieval['exact_correct'])} of {len(res.retrieval['answers'])} "
-                       "planted codes exact prefill retrieves, those kept; " if retr else "")
+                    + (f"kept: of the {sum(res.retrieval['exact_correct'])} of {len(res.retrieval['answers'])} "
+                       "planted codes exact prefill retrieves, those retrieved; " if retr else "")
                     + f"ok: within the budget {res.budget:g} ({crit})" + (" and every code kept" if retr else ""))
     spans = res.options["selector"] in settings.SPAN_SELECTORS
     for col in ("S", "T", "f") + (("w",) if spans else ()) + ("ΔNLL novel", "ΔNLL all", "speedup", "1/r") \
-            + (("retrieval",) if retr else ()) + ("ok", "front"):
-        t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", min_width=len(col) if len(col) < 8 else None)
+            + (("kept",) if retr else ()) + ("ok", "front"):
+        # fold, never cut: a narrow terminal (or none) must still show every figure
+        t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", overflow="fold",
+                     min_width=len(col) if len(col) < 8 else None)
 
     def ci(d):
         if not d:

@@ -384,7 +384,8 @@ def test_cli_tune_bad_input(tiny_models, fitted, cli, tmp_path):
     r = cli("tune", llama, "--maps", maps[0], "--budget", 1e-6, "--strict", *CLI_GRID, "--out", out)
     said = " ".join(r.output.split())  # the table's title wraps
     assert r.exit_code == 1 and "no setting is within the budget" in said and "budget 1e-06 (CI upper bound)" in said
-    assert [p.read_bytes() for p in maps] == before and not out.exists()
+    assert [p.read_bytes() for p in maps] == before  # the report is written, the map files are not
+    assert "**No setting is within the budget.**" in (out / "tune.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------------
