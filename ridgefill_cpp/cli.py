@@ -637,7 +637,7 @@ def eval_cmd(
 
     from .evaluate import EvalOptions, evaluate
     from .mapfile import MapFileError
-    from .report import write_report
+    from .report import ci_text, write_report
 
     tail, exact_fraction, selector = _operating_point(maps[0] if maps else None, tail, exact_fraction, selector)
     ns = _check_prefill_args(model, lengths, selector)
@@ -664,8 +664,7 @@ def eval_cmd(
         for col in ("variant", "novel", "key", "all", "speed"):
             t.add_column(col, justify="right" if col != "variant" else "left")
         for v, row in s.items():
-            cell = lambda m: (f"{row[m]['delta']['estimate']:+.4f} [{row[m]['delta']['low']:+.3f}, {row[m]['delta']['high']:+.3f}]"
-                              if row.get(m) else "—")  # noqa: E731
+            cell = lambda m: ci_text(row.get(m) and row[m]["delta"], bound_fmt="{:+.3f}")  # noqa: E731
             t.add_row(v, cell("novel"), cell("key"), cell("all"), f"{res.ttft_ratio(int(n), v):.2f}x")
         out.print(t)
     for n, r in res.retrieval.items():
@@ -1051,12 +1050,10 @@ def _show_tune(res) -> None:
         t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", overflow="fold",
                      min_width=len(col) if len(col) < 8 else None)
 
+    from .report import ci_text
+
     def ci(d):
-        if not d:
-            return "—"
-        if d["low"] != d["low"]:
-            return f"{d['estimate']:+.4f}"
-        return f"{d['estimate']:+.4f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+        return ci_text(d, bound_fmt="{:+.3f}")
 
     for i, p in enumerate(res.points):
         t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", *([str(p.span)] if spans else []), ci(p.novel),

@@ -15,10 +15,14 @@ from .files import write_bytes
 METRICS = (("novel", "novel tokens"), ("key", "key tokens"), ("all", "all tail tokens"))
 
 
-def _ci(d: dict | None, fmt: str = "{:+.4f}") -> str:
+def ci_text(d: dict | None, fmt: str = "{:+.4f}", bound_fmt: str | None = None) -> str:
+    """A figure with its CI; the estimate alone, marked, when there is no interval (one document)."""
     if not d:
         return "—"
-    return f"{fmt.format(d['estimate'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
+    if d["low"] != d["low"]:  # NaN: one document, no interval
+        return f"{fmt.format(d['estimate'])} (1 document: no CI)"
+    b = bound_fmt or fmt
+    return f"{fmt.format(d['estimate'])} [{b.format(d['low'])}, {b.format(d['high'])}]"
 
 
 def _pct(d: dict | None, fill_positive: bool = False) -> str:
@@ -102,9 +106,9 @@ def _nll_sections(res: EvalResult, n: str) -> list[str]:
     L.append("|---|---|---|---|---|---|---|")
     for v, row in s.items():
         plan = res.plans[n].get(v, res.plans[n].get("ridge" if v.startswith("ridge,") else v, {}))
-        L.append(f"| {v} | {_ci(row.get('novel') and row['novel']['delta'])} | "
-                 f"{_ci(row.get('key') and row['key']['delta'])} | {_ci(row.get('all') and row['all']['delta'])} | "
-                 f"{_ci(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
+        L.append(f"| {v} | {ci_text(row.get('novel') and row['novel']['delta'])} | "
+                 f"{ci_text(row.get('key') and row['key']['delta'])} | {ci_text(row.get('all') and row['all']['delta'])} | "
+                 f"{ci_text(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
                  f"{plan.get('ceiling', float('nan')):.2f}x |")
     L.append("")
     paired = (getattr(res, "paired", None) or {}).get(n) or {}
@@ -115,7 +119,7 @@ def _nll_sections(res: EvalResult, n: str) -> list[str]:
         L.append("|---|---|---|---|---|---|")
         for v, row in paired.items():
             plan = res.plans[n].get(v, {})
-            L.append(f"| {v} | " + " | ".join(_ci(row.get(m)) for m in ("novel", "key", "all")) +
+            L.append(f"| {v} | " + " | ".join(ci_text(row.get(m)) for m in ("novel", "key", "all")) +
                      f" | {res.ttft_ratio(int(n), v):.2f}x | {plan.get('ceiling', float('nan')):.2f}x |")
         L.append("")
     if n in res.splice:

@@ -54,7 +54,7 @@ from .fit import bos_prefix
 from .gguf_model import read_model_info
 from .mapfile import map_file_splits, write_tuned_defaults
 from .prefill import RidgeFill
-from .report import agg_pyplot, save_figure
+from .report import agg_pyplot, ci_text, save_figure
 
 
 #: the retrieval prompts are this many tokens shorter than the documents: room for the answer
@@ -425,14 +425,6 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
 # the files of --out
 
 
-def _ci_text(d: dict | None, fmt: str = "{:+.4f}") -> str:
-    if not d:
-        return "—"
-    if d["low"] != d["low"]:
-        return fmt.format(d["estimate"])
-    return f"{fmt.format(d['estimate'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
-
-
 def write_tune_report(res: TuneResult, out_dir: os.PathLike | str) -> list[Path]:
     """Write ``pareto.png``, ``tune.json`` and ``tune.md`` into ``out_dir`` (each atomically); return
     the paths."""
@@ -517,7 +509,7 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
     best = res.best
     if best is not None:
         L.append(f"**Chosen: {best.label}** (the fastest setting within the budget): novel ΔNLL "
-                 f"{_ci_text(best.novel)}, speedup {best.speedup:.2f}x, ceiling {best.ceiling:.2f}x.")
+                 f"{ci_text(best.novel)}, speedup {best.speedup:.2f}x, ceiling {best.ceiling:.2f}x.")
         L.append(f"Written into `{res.written}`." if res.written else
                  f"Not written (dry run); it would go into `{best.maps}`.")
         L.append("")
@@ -530,7 +522,7 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
     for i, p in enumerate(res.points):
         mark = " **(chosen)**" if i == res.chosen else ""
         L.append(f"| {p.split} | {p.tail} | {p.exact_fraction:g} |" + (f" {p.span} |" if spans else "")
-                 + f" {_ci_text(p.novel)} | {_ci_text(p.all)} | {p.speedup:.2f}x | {p.ceiling:.2f}x |"
+                 + f" {ci_text(p.novel)} | {ci_text(p.all)} | {p.speedup:.2f}x | {p.ceiling:.2f}x |"
                  + (f" {p.retrieval['kept'][0]}/{p.retrieval['kept'][1]} |" if p.retrieval is not None else "")
                  + f" {'yes' if p.feasible else 'no'}{mark} | {'yes' if p.on_front else ''} |")
     L.append("")

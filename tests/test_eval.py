@@ -11,7 +11,7 @@ from ridgefill_cpp import corpus
 from ridgefill_cpp.evaluate import EvalOptions, build_documents, default_texts, evaluate, licence_documents
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.mapfile import write_map_file
-from ridgefill_cpp.report import write_report
+from ridgefill_cpp.report import ci_text, write_report
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +229,11 @@ def test_compare_maps(tiny_models, tiny_maps, cli, tmp_path):
         r = cli("eval", model, "--maps", tiny_maps[0], "--compare-maps", bad, "--quick", "--out", tmp_path / "x")
         assert r.exit_code == 1 and why in r.output, r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_ci_text():
+    """A CI as text; with one document there is no interval, and the text says so (not "[+nan, +nan]")."""
+    assert ci_text({"estimate": 0.01234, "low": -0.002, "high": 0.03, "n": 4}) == "+0.0123 [-0.0020, +0.0300]"
+    assert ci_text({"estimate": 0.01234, "low": -0.002, "high": 0.03, "n": 4}, bound_fmt="{:+.3f}") == "+0.0123 [-0.002, +0.030]"
+    assert ci_text({"estimate": 0.5, "low": float("nan"), "high": float("nan"), "n": 1}) == "+0.5000 (1 document: no CI)"
+    assert ci_text(None) == "—"
