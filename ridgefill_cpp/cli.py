@@ -1052,11 +1052,9 @@ def _show_tune(res) -> None:
 
     from .report import ci_text
 
-    def ci(d):
-        return ci_text(d, bound_fmt="{:+.3f}")
-
     for i, p in enumerate(res.points):
-        t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", *([str(p.span)] if spans else []), ci(p.novel),
+        t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", *([str(p.span)] if spans else []),
+                  ci_text(p.novel, bound_fmt="{:+.3f}"),
                   f"{p.all['estimate']:+.4f}" if p.all else "—", f"{p.speedup:.2f}x", f"{p.ceiling:.2f}x",
                   *([f"{p.retrieval['kept'][0]}/{p.retrieval['kept'][1]}"] if retr else []),
                   "yes" if p.feasible else "no", "●" if p.on_front else "",

@@ -44,7 +44,7 @@ from .bench import greedy_continuation
 from .corpus import default_documents, default_source_description
 from .fit import bos_prefix
 from .gguf_model import read_model_info
-from .mapfile import MapFileError, compatibility_problems, map_file_splits, read_map_file
+from .mapfile import MapFileError, fitting_map_metas, map_file_splits
 from .prefill import Llama, RidgeFill
 
 LICENCE_DIR = Path("/usr/share/common-licenses")
@@ -294,11 +294,8 @@ def maps_variant_names(maps: Sequence[os.PathLike | str], model: os.PathLike | s
     resolved = [Path(m).resolve() for m in maps]
     if len(set(resolved)) != len(resolved):
         raise MapFileError("a map file is listed twice: " + ", ".join(str(m) for m in maps))
-    metas = [read_map_file(m).meta for m in maps]
+    metas = fitting_map_metas(maps, model)
     for m, meta in zip(maps, metas):
-        problems = compatibility_problems(meta, model)
-        if problems:
-            raise MapFileError(f"{m}: the maps do not fit {model}: " + "; ".join(problems))
         if meta.split_layer != metas[0].split_layer:
             raise MapFileError(f"{m}: maps for S = {meta.split_layer}; a comparison needs maps for the main "
                                f"split (S = {metas[0].split_layer})")

@@ -415,16 +415,23 @@ def _ggml_type_name(t: int | None) -> str:
         return f"ggml type {t}"
 
 
-def map_file_splits(maps: Sequence[os.PathLike | str], model_path: os.PathLike | str) -> list[int]:
-    """The split of each map file, after checking that every file is a readable map file that fits
-    the model at ``model_path`` and that no two are for the same split (eval's sweep, tune's grid).
-    Raises :class:`MapFileError` saying which file does not fit and why."""
+def fitting_map_metas(maps: Sequence[os.PathLike | str], model_path: os.PathLike | str) -> list[MapFileMeta]:
+    """The metadata of each map file, after checking that every file is a readable map file that
+    fits the model at ``model_path``. Raises :class:`MapFileError` saying which file does not fit
+    and why."""
     metas = [read_map_file(m).meta for m in maps]
     for m, meta in zip(maps, metas):
         problems = compatibility_problems(meta, model_path)
         if problems:
             raise MapFileError(f"{m}: the maps do not fit {model_path}: " + "; ".join(problems))
-    splits = [meta.split_layer for meta in metas]
+    return metas
+
+
+def map_file_splits(maps: Sequence[os.PathLike | str], model_path: os.PathLike | str) -> list[int]:
+    """The split of each map file, after checking that every file is a readable map file that fits
+    the model at ``model_path`` and that no two are for the same split (eval's sweep, tune's grid).
+    Raises :class:`MapFileError` saying which file does not fit and why."""
+    splits = [meta.split_layer for meta in fitting_map_metas(maps, model_path)]
     if len(set(splits)) != len(splits):
         dup = sorted({s for s in splits if splits.count(s) > 1})
         raise MapFileError(f"two map files for the same split ({', '.join(f'S = {s}' for s in dup)}): give one per split")
