@@ -70,6 +70,7 @@ class BenchResult:
     # fill variant -> length -> greedy tokens equal to stock's before the first difference
     greedy_agree: dict[str, dict[int, int]] = field(default_factory=dict)
     greedy_tokens: int = 0
+    key_rescale: int = 0              # c_K of the fill variants (0: off)
 
     def median(self, variant: str, n: int) -> float:
         return statistics.median(self.times[variant][n])
@@ -187,6 +188,7 @@ def benchmark_prefill(
     exact_fraction: float = settings.EXACT_FRACTION,
     selector: str = settings.SELECTOR,
     value_rescale: int = settings.VALUE_RESCALE,
+    key_rescale: int | None = None,
     min_prompt: int = settings.MIN_PROMPT,
     identity: bool = True,
     first_layers: bool = False,
@@ -218,10 +220,11 @@ def benchmark_prefill(
         n_ctx = min(n_ctx, info.context_length)  # the longest prompt's continuation may be shorter
 
     plan = dict(split=split, tail=tail, exact_fraction=exact_fraction, value_rescale=value_rescale,
-                min_prompt=min_prompt, **settings.parse_selector(selector))
+                key_rescale=key_rescale, min_prompt=min_prompt, **settings.parse_selector(selector))
     variants: dict[str, dict] = {STOCK: {}}
     if maps is not None:
         variants[RIDGEFILL] = {"ridgefill": RidgeFill(maps, **plan)}
+        plan["key_rescale"] = variants[RIDGEFILL]["ridgefill"].key_rescale  # None: the map file's tuned c_K
     if identity:
         variants[IDENTITY] = {"ridgefill": RidgeFill(None, **plan)}
     if first_layers:
@@ -233,6 +236,7 @@ def benchmark_prefill(
     res = BenchResult(model=str(model), n_layer=info.n_layer, split=split, tail=tail, exact_fraction=exact_fraction,
                       selector=selector, min_prompt=min_prompt, maps=str(maps) if maps else None, threads=n_threads,
                       n_batch=n_batch, repeats=repeats, lengths=lengths, greedy_tokens=greedy_tokens,
+                      key_rescale=int(plan["key_rescale"] or 0),
                       times={v: {n: [] for n in lengths} for v in variants},
                       kl={v: {} for v in fills}, greedy_agree={v: {} for v in fills})
     reference: dict[int, tuple[np.ndarray, list[int]]] = {}

@@ -288,10 +288,11 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
                              (("delta_nll_novel", "novel ΔNLL", "+.4f"), ("speedup", "speed", ".2f"),
                               ("budget", "budget", "g")) if key in tuned)
         span = f" (span {tuned['span']})" if "span" in tuned and tuned["selector"] in settings.SPAN_SELECTORS else ""
+        key = f", key rescale c_K = {tuned['key_rescale']}" if tuned.get("key_rescale") else ""
         checked = (f"; retrieval kept {tuned['retrieval_kept']}/{tuned['retrieval_exact']} of exact's on "
                    f"{tuned['retrieval_prompts']} prompts" if "retrieval_prompts" in tuned else "")
         t.add_row("tuned defaults", f"T = {tuned['tail']}, exact fraction {tuned['exact_fraction']:g}, selector "
-                                    f"{tuned['selector']}{span} (ridgefill-gguf tune: {measured}{checked})")
+                                    f"{tuned['selector']}{span}{key} (ridgefill-gguf tune: {measured}{checked})")
     out.print(t)
     out.print(_quality_table(meta, "held-out fit quality (relative error of the direction the layer sees)"))
     if problems is not None:
@@ -490,8 +491,8 @@ def _check_prefill_args(model: Path, lengths: Optional[str], selector: str) -> O
 
 
 def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: Optional[float],
-                     selector: Optional[str]) -> tuple[int, float, str]:
-    """T, exact fraction and selector spec for bench and eval, resolved by ``RidgeFill`` as for the
+                     selector: Optional[str], key_rescale: Optional[int] = None) -> tuple[int, float, str, int]:
+    """T, exact fraction, selector spec and key rescale c_K for bench and eval, resolved by ``RidgeFill`` as for the
     library and ``serve``: the option when given, else the map file's tuned value (``ridgefill-gguf
     tune``), else the built-in default. A tuned span goes into the spec (``attention@32``) when
     the selector takes one and the spec gives none. Says on stderr which came from the map file."""
@@ -502,7 +503,8 @@ def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: 
         spec_span = selector is not None and settings.parse_selector(selector).get("span")
     except ValueError:
         spec_span = None  # the caller's check says what is wrong with the spec
-    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector, "span": spec_span or None}
+    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector, "span": spec_span or None,
+             "key_rescale": key_rescale}
     tuned = None
     if maps is not None and None in given.values():
         try:
@@ -519,7 +521,7 @@ def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: 
                  for k in given if origin[k] == "map file"]
     if from_file:
         err.print(f"the map file's tuned defaults: {', '.join(from_file)} (give the option to override)", highlight=False)
-    return int(value["tail"]), float(value["exact_fraction"]), spec
+    return int(value["tail"]), float(value["exact_fraction"]), spec, int(value["key_rescale"])
 
 
 @app.command("bench")
@@ -533,6 +535,7 @@ def bench(
     exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction")),
     selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector: {_SELECTORS} (attention+protected: the protected rows, then attention; probe: the late-layer attention of the tail, one extra pass; protected: row classes, protected:{_CLASSES} names them; @SPAN, e.g. attention@16: the SPAN rows around each top-scoring row stay exact together)", "selector")),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
+    key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help=_tuned("c_K: tail rows the key scale is measured on (0: off)", "key_rescale")),
     min_prompt: Optional[int] = typer.Option(None, "--min-prompt", min=0, help=f"Shorter prompts run stock prefill (time them to see the overhead of an attached RidgeFill; default {settings.MIN_PROMPT})."),
     identity: bool = typer.Option(True, "--identity/--no-identity", help="Also time identity fill at the same settings."),
     first_layers: bool = typer.Option(False, "--first-layers", help="Also time the model cut to its first S layers: the physical ceiling of skipping late layers."),
@@ -552,7 +555,7 @@ def bench(
     from .bench import RIDGEFILL, STOCK, benchmark_prefill
     from .mapfile import MapFileError
 
-    tail, exact_fraction, selector = _operating_point(maps, tail, exact_fraction, selector)
+    tail, exact_fraction, selector, key_rescale = _operating_point(maps, tail, exact_fraction, selector, key_rescale)
     ns = _check_prefill_args(model, lengths, selector)
     if json_out is not None:
         _check_output_file(json_out)
@@ -560,7 +563,8 @@ def bench(
         task = bar.add_task("bench", total=None)
         try:
             res = benchmark_prefill(model, maps=maps, split=split, tail=tail, exact_fraction=exact_fraction,
-                                    selector=selector, identity=identity, first_layers=first_layers, n_threads=threads,
+                                    selector=selector, key_rescale=key_rescale, identity=identity,
+                                    first_layers=first_layers, n_threads=threads,
                                     progress=lambda d, t: bar.update(task, completed=d, total=t),
                                     **_given(lengths=ns, value_rescale=value_rescale, min_prompt=min_prompt,
                                              greedy_tokens=greedy_tokens, repeats=repeats, n_batch=n_batch))
@@ -570,7 +574,8 @@ def bench(
     main = RIDGEFILL if RIDGEFILL in res.times else others[0]
     fills = list(res.kl)
     t = Table(title=f"prefill, {Path(res.model).name}: L = {res.n_layer}, S = {res.split}, T = {res.tail}, "
-                    f"exact {res.exact_fraction:g} ({res.selector}), median of {res.repeats}")
+                    f"exact {res.exact_fraction:g} ({res.selector})"
+                    + (f", key rescale c_K = {res.key_rescale}" if res.key_rescale else "") + f", median of {res.repeats}")
     t.add_column("prompt", justify="right")
     for v in res.variants:
         t.add_column(v, justify="right")
@@ -619,7 +624,7 @@ def eval_cmd(
     selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,attention@16,attention@1); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
     docs: Optional[int] = typer.Option(None, "--docs", min=0, help=f"Documents per length, 0 or at least 2; 0: retrieval only, no ΔNLL (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
-    key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help=f"c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default {settings.KEY_RESCALE}: no such variant)."),
+    key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default: the first map file's tuned c_K, else no such variant)."),
     splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
     codes: int = typer.Option(1, "--codes", min=1, max=12, help="Facts per retrieval prompt: the one asked for at each depth and codes - 1 distractors of other names spread over the rows before it (1: the single-fact test)."),
     depths: Optional[str] = typer.Option(None, "--depths", help="Retrieval: depths of the asked-for fact, comma-separated shares of the filled region (default 0.1,0.3,0.5,0.7,0.9)."),
@@ -639,7 +644,9 @@ def eval_cmd(
     from .mapfile import MapFileError
     from .report import ci_text, write_report
 
-    tail, exact_fraction, selector = _operating_point(maps[0] if maps else None, tail, exact_fraction, selector)
+    tail, exact_fraction, selector, key_rescale = _operating_point(maps[0] if maps else None, tail, exact_fraction,
+                                                                   selector, key_rescale)
+    key_rescale = key_rescale or None  # 0: no such variant
     ns = _check_prefill_args(model, lengths, selector)
     _check_output_dir(out_dir, "--out")
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads, codes=codes,
@@ -702,6 +709,9 @@ def serve_cmd(
     min_prompt: Optional[int] = typer.Option(
         None, "--min-prompt", min=0,
         help=f"Prompts with fewer new tokens run stock prefill (default {settings.MIN_PROMPT})."),
+    key_rescale: Optional[int] = typer.Option(
+        None, "--key-rescale", min=0,
+        help=_tuned("c_K: tail rows a per-head scale of the filled keys is measured on (0: off)", "key_rescale")),
     host: str = typer.Option("127.0.0.1", "--host", help="The one address to listen on (default: loopback only)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
     api_key: Optional[str] = typer.Option(
@@ -718,7 +728,7 @@ def serve_cmd(
     """Serve a model over HTTP with RidgeFill: runs the project's patched llama.cpp llama-server binary
     (installed with the package; not a Python re-implementation), with its OpenAI-compatible API
     (/v1/completions, /v1/chat/completions) and its own /completion, /health, /metrics. RidgeFill
-    settings (--maps or --identity-split, --tail, --exact-fraction, --selector, --min-prompt)
+    settings (--maps or --identity-split, --tail, --exact-fraction, --selector, --key-rescale, --min-prompt)
     become the server's defaults; without --maps and --identity-split it is stock llama-server.
     Each request may carry a "ridgefill" JSON field: false (exact prefill for this request), true
     (the server's settings) or an object {"tail", "exact_fraction", "selector", "span"} overriding them.
@@ -730,7 +740,7 @@ def serve_cmd(
     if maps is not None and identity_split is not None:
         _fail("give --maps or --identity-split, not both")
     try:
-        given = _given(tail=tail, exact_fraction=exact_fraction, min_prompt=min_prompt,
+        given = _given(tail=tail, exact_fraction=exact_fraction, min_prompt=min_prompt, key_rescale=key_rescale,
                        **(settings.parse_selector(selector) if selector is not None else {}))
         if maps is not None:
             rf = RidgeFill(maps, **given)
@@ -954,6 +964,7 @@ def tune_cmd(
     fractions: Optional[str] = typer.Option(None, "--fractions", help=f"Exact fractions to search, comma-separated, each in [0, 1] (default {_csv(settings.TUNE_FRACTIONS)})."),
     selector: Optional[str] = typer.Option(None, "--selector", help=f"Exact-row selector of every setting: {_SELECTORS} (protected: {' + '.join(settings.PROTECTED)}; default {settings.SELECTOR}); written into the map file with the chosen setting."),
     spans: Optional[str] = typer.Option(None, "--spans", help=f"Spans to search, comma-separated, each in 1..{settings.MAX_SPAN}: the rows kept exact together around each top-scoring row ({' and '.join(settings.SPAN_SELECTORS)} selectors; 1: single rows; default {_csv(settings.TUNE_SPANS)})."),
+    key_rescales: Optional[str] = typer.Option(None, "--key-rescales", help=f"Key rescales c_K to search, comma-separated: the tail rows a per-head scale of the filled keys is measured on (0: off; e.g. 0,512; default {_csv(settings.TUNE_KEY_RESCALES)})."),
     retrieval_prompts: Optional[int] = typer.Option(None, "--retrieval-prompts", min=0, help=f"Planted-code retrieval prompts every setting must answer wherever exact prefill does, at depths spread over the filled region (0: no retrieval check; default {settings.TUNE_RETRIEVAL_PROMPTS})."),
     codes: Optional[int] = typer.Option(None, "--codes", min=1, max=12, help=f"Codes of different names planted per retrieval prompt: the one asked for and distractors before it (default {settings.TUNE_RETRIEVAL_CODES})."),
     length: Optional[int] = typer.Option(None, "--length", "-l", min=8, help=f"Prompt length of the held-out documents, in tokens (default {settings.TUNE_LENGTH})."),
@@ -967,7 +978,7 @@ def tune_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of tables."),
 ) -> None:
     """Find the fastest operating point within a quality budget: for every split (map file), tail T,
-    exact fraction and span, prefill held-out documents with RidgeFill and exactly, score the
+    exact fraction, span and key rescale, prefill held-out documents with RidgeFill and exactly, score the
     novel-token ΔNLL of the same last rows with a bootstrap CI over documents and the measured
     speedup, check planted-code retrieval against exact prefill, and write the fastest setting
     within --budget that keeps retrieval into its map file's metadata (ridgefill.tuned.*), where
@@ -982,6 +993,7 @@ def tune_cmd(
     ts = None if tails is None else _number_list(tails, "--tails", int)
     fs = None if fractions is None else _number_list(fractions, "--fractions", float)
     ws = None if spans is None else _number_list(spans, "--spans", int)
+    cs = None if key_rescales is None else _number_list(key_rescales, "--key-rescales", int)
     if not budget > 0:
         _fail(f"--budget must be a positive number of nats, not {budget:g}")
     if selector is not None and selector not in settings.SELECTORS:
@@ -991,6 +1003,7 @@ def tune_cmd(
     texts = _read_text_option(text)
     options = TuneOptions(n_threads=threads, strict=strict,
                           **_given(tails=ts and tuple(ts), fractions=fs and tuple(fs), spans=ws and tuple(ws),
+                                   key_rescales=cs and tuple(cs),
                                    selector=selector, length=length, n_docs=docs, value_rescale=value_rescale,
                                    retrieval_prompts=retrieval_prompts, codes=codes))
     failure = None
@@ -1026,8 +1039,8 @@ def tune_cmd(
     if res.written:
         span = f", span={best.span}" if best.selector in settings.SPAN_SELECTORS else ""
         out.print(f"wrote the tuned defaults into {res.written}: RidgeFill(path) and Llama(..., ridgefill=path) use "
-                  f"tail={best.tail}, exact_fraction={best.exact_fraction:g}, selector={best.selector!r}{span} "
-                  "unless given", highlight=False)
+                  f"tail={best.tail}, exact_fraction={best.exact_fraction:g}, selector={best.selector!r}{span}, "
+                  f"key_rescale={best.key_rescale} unless given", highlight=False)
     else:
         out.print(f"dry run: {best.maps} was not modified", highlight=False)
     if paths:
@@ -1037,14 +1050,15 @@ def tune_cmd(
 def _show_tune(res) -> None:
     crit = "CI upper bound" if res.options["strict"] else "estimate"
     retr = res.retrieval is not None
-    t = Table(title=f"{Path(res.model).name}: {len(res.points)} settings (S split, T tail, f exact fraction, w span), "
+    t = Table(title=f"{Path(res.model).name}: {len(res.points)} settings (S split, T tail, f exact fraction, w span, cK key rescale), "
                     f"{res.options['length']}-token prompts, {len(res.documents)} documents; ΔNLL vs exact (nats, "
                     f"95 % CI) on the last {res.scored_rows} rows; speedup measured, 1/r the ceiling; "
                     + (f"kept: of the {sum(res.retrieval['exact_correct'])} of {len(res.retrieval['answers'])} "
                        "planted codes exact prefill retrieves, those retrieved; " if retr else "")
                     + f"ok: within the budget {res.budget:g} ({crit})" + (" and every code kept" if retr else ""))
     spans = res.options["selector"] in settings.SPAN_SELECTORS
-    for col in ("S", "T", "f") + (("w",) if spans else ()) + ("ΔNLL novel", "ΔNLL all", "speedup", "1/r") \
+    keys = any(p.key_rescale for p in res.points)
+    for col in ("S", "T", "f") + (("w",) if spans else ()) + (("cK",) if keys else ()) + ("ΔNLL novel", "ΔNLL all", "speedup", "1/r") \
             + (("kept",) if retr else ()) + ("ok", "front"):
         # fold, never cut: a narrow terminal (or none) must still show every figure
         t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", overflow="fold",
@@ -1054,6 +1068,7 @@ def _show_tune(res) -> None:
 
     for i, p in enumerate(res.points):
         t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", *([str(p.span)] if spans else []),
+                  *([str(p.key_rescale)] if keys else []),
                   ci_text(p.novel, bound_fmt="{:+.3f}"),
                   f"{p.all['estimate']:+.4f}" if p.all else "—", f"{p.speedup:.2f}x", f"{p.ceiling:.2f}x",
                   *([f"{p.retrieval['kept'][0]}/{p.retrieval['kept'][1]}"] if retr else []),

@@ -103,10 +103,11 @@ class EvalOptions:
     def ridgefill(self, maps: os.PathLike | str | None, split: int, selector: str | None = None,
                   **kw) -> RidgeFill:
         """The RidgeFill of a fill variant: these options' T, fraction, value rescale and min
-        prompt, ``selector`` (a spec; default: these options' selector) and ``kw``."""
+        prompt, ``selector`` (a spec; default: these options' selector) and ``kw``. No key rescale
+        unless ``kw`` gives one (a map file's tuned c_K is the variant "ridge + key rescale")."""
         return RidgeFill(maps, split=split, tail=self.tail, exact_fraction=self.exact_fraction,
                          value_rescale=self.value_rescale, min_prompt=self.min_prompt,
-                         **settings.parse_selector(selector or self.selector), **kw)
+                         **{"key_rescale": 0, **settings.parse_selector(selector or self.selector), **kw})
 
 
 def lever_name(spec: str) -> str:

@@ -89,6 +89,7 @@ TUNED_KEYS: dict[str, tuple[str, bool, str]] = {
     "exact_fraction": ("FLOAT64", True, "share of the prefix rows the selector keeps exact"),
     "selector": ("STRING", True, "exact-row selector"),
     "span": ("UINT32", False, "rows kept exact together around each top-scoring row (attention, probe)"),
+    "key_rescale": ("UINT32", False, "c_K, the tail rows the per-head key scale is measured on (0: off)"),
     "budget": ("FLOAT64", False, "the novel-token ΔNLL budget (nats) the setting was chosen under"),
     "criterion": ("STRING", False, "'estimate' (point estimate <= budget) or 'upper' (CI upper bound, --strict)"),
     "delta_nll_novel": ("FLOAT64", False, "measured novel-token ΔNLL (nats), point estimate"),

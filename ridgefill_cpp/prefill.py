@@ -42,11 +42,11 @@ class RidgeFill:
     ``maps``: the map file written by ``ridgefill-gguf fit`` (None: identity fill, x̂ = x_S, which
     needs ``split``). ``split``: S (default: the map file's). ``tail``: T, the last prompt rows kept
     exact. ``exact_fraction``: share of the prefix rows the selector keeps exact. ``tail``,
-    ``exact_fraction``, ``selector`` and ``span`` left as None resolve to the operating point
+    ``exact_fraction``, ``selector``, ``span`` and ``key_rescale`` left as None resolve to the operating point
     ``ridgefill-gguf tune`` wrote into the map file (its ``ridgefill.tuned.*`` keys), else to the
     built-in defaults (:data:`ridgefill_cpp.settings.TUNABLE_DEFAULTS`); an explicit argument
     always wins. After construction they hold the resolved values; :attr:`tuned` is the map file's
-    tuned operating point (None: it has none) and :attr:`origin` says where each of the four came
+    tuned operating point (None: it has none) and :attr:`origin` says where each of the five came
     from (``"argument"``, ``"map file"`` or ``"built-in"``).
     ``selector``: ``"attention"`` (the rows the last ``n_queries`` prompt rows attend to most, at a
     full-attention layer below S), ``"probe"`` (the same score at the late layers: the tail first
@@ -59,7 +59,8 @@ class RidgeFill:
     score within the span of this many rows around them, so the rows around each top-scoring row
     (the name before a fact, the fact's other tokens) stay exact together; 1: single rows.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
-    ``key_rescale``: c_K, the key analogue of the value scale (issue #8; 0: off, the default).
+    ``key_rescale``: c_K, the tail rows a per-head key scale is measured on, the key analogue of the
+    value scale (0: off, the built-in default; ``tune --key-rescales`` can choose it).
     ``min_prompt``: prompts with fewer new rows run stock prefill. ``selector_layer``: the
     attention selector's layer (default: the last full-attention layer below S).
     ``fill_chunk``: filled rows per fill step (0: ``n_ubatch``). ``placement``: where the maps
@@ -82,7 +83,7 @@ class RidgeFill:
     exact_fraction: float | None = None
     selector: str | Sequence[int] | None = None
     value_rescale: int = settings.VALUE_RESCALE
-    key_rescale: int = settings.KEY_RESCALE
+    key_rescale: int | None = None
     min_prompt: int = settings.MIN_PROMPT
     n_queries: int = settings.N_QUERIES
     span: int | None = None
@@ -95,7 +96,7 @@ class RidgeFill:
     positions: tuple[int, ...] = field(default=(), init=False, repr=False)
     #: the map file's tuned operating point (``ridgefill.tuned.*``), None when it has none
     tuned: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
-    #: where ``tail``, ``exact_fraction``, ``selector`` and ``span`` came from: "argument", "map file" or "built-in"
+    #: where ``tail``, ``exact_fraction``, ``selector``, ``span`` and ``key_rescale`` came from: "argument", "map file" or "built-in"
     origin: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     #: the built-in defaults of the settings ``ridgefill-gguf tune`` can choose
@@ -130,9 +131,10 @@ class RidgeFill:
             settings.check("split", self.split)
         settings.check("tail", self.tail, hint=tuned_hint("tail"))
         settings.check("span", self.span, hint=tuned_hint("span"))
+        settings.check("key_rescale", self.key_rescale, hint=tuned_hint("key_rescale"))
         object.__setattr__(self, "exact_fraction",
                            settings.check("exact_fraction", self.exact_fraction, hint=tuned_hint("exact_fraction")))
-        for name in ("value_rescale", "key_rescale", "min_prompt", "n_queries"):
+        for name in ("value_rescale", "min_prompt", "n_queries"):
             settings.check(name, getattr(self, name))
         if self.selector_layer is not None:
             settings.check("selector_layer", self.selector_layer)

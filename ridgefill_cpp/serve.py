@@ -44,7 +44,7 @@ from .mapfile import map_file_splits
 from .prefill import RidgeFill, as_ridgefill
 
 #: RidgeFill settings that have no llama-server flag: they must keep their defaults to be served
-_NO_SERVER_FLAG = ("value_rescale", "key_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement",
+_NO_SERVER_FLAG = ("value_rescale", "n_queries", "selector_layer", "fill_chunk", "protected", "placement",
                    "state_correction", "splice")
 
 #: flags the command line sets from serve's own options; refused in the extra arguments
@@ -54,7 +54,7 @@ _MANAGED_FLAGS = {
     "--ridgefill-maps": "the maps option", "--ridgefill-split": "the identity split option",
     "--ridgefill-tail": "the tail option", "--ridgefill-exact-fraction": "the exact fraction option",
     "--ridgefill-selector": "the selector option", "--ridgefill-span": "the selector option (NAME@SPAN)",
-    "--ridgefill-min-prompt": "the min prompt option",
+    "--ridgefill-min-prompt": "the min prompt option", "--ridgefill-key-rescale": "the key rescale option",
 }
 
 _LOOPBACK = "127.0.0.1"
@@ -84,14 +84,17 @@ def _check_servable(rf: RidgeFill) -> None:
     if rf.selector == "positions":
         raise ValueError(f"the server takes a selector by name ({settings.names(settings.SELECTORS)}), not a list "
                          "of positions")
-    defaults = {f.name: f.default for f in dataclasses.fields(RidgeFill) if f.name in _NO_SERVER_FLAG}
+    # a tunable setting left as None resolves (argument, map file, built-in): its built-in default
+    defaults = {f.name: settings.TUNABLE_DEFAULTS.get(f.name, f.default) for f in dataclasses.fields(RidgeFill)
+                if f.name in _NO_SERVER_FLAG}
     changed = []
     for name, default in defaults.items():
         value = getattr(rf, name)
         same = (settings.protected_mask(value) == settings.protected_mask(default) if name == "protected"
                 else value == default)
         if not same:
-            changed.append(f"{name}={value!r} (the server uses {default!r})")
+            where = " from the map file's tuned defaults" if rf.origin.get(name) == "map file" else ""
+            changed.append(f"{name}={value!r}{where} (the server uses {default!r})")
     if changed:
         raise ValueError("llama-server has no flag for these RidgeFill settings: " + ", ".join(changed))
 
@@ -211,6 +214,7 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
                  "--ridgefill-exact-fraction", repr(float(rf.exact_fraction)),
                  "--ridgefill-selector", str(rf.selector),
                  "--ridgefill-span", str(int(rf.span)),
+                 *(("--ridgefill-key-rescale", str(int(rf.key_rescale))) if rf.key_rescale else ()),
                  "--ridgefill-min-prompt", str(int(rf.min_prompt))]
         # the patched server itself turns on --kv-unified and --swa-full when RidgeFill is on
     if api_key is not None and not api_key:
@@ -241,7 +245,9 @@ def describe(rf: RidgeFill | None) -> str:
     what = f"maps {rf.maps}" if rf.maps is not None else f"identity fill at split {rf.split}"
     return (f"RidgeFill: {what}; tail {rf.tail}{src('tail')}, exact fraction {rf.exact_fraction:g}"
             f"{src('exact_fraction')}, selector {rf.selector}{src('selector')}"
-            + (f" with span {rf.span}" if rf.span != 1 else "") + f", prompts from {rf.min_prompt} tokens")
+            + (f" with span {rf.span}" if rf.span != 1 else "")
+            + (f", key rescale c_K = {rf.key_rescale}{src('key_rescale')}" if rf.key_rescale else "")
+            + f", prompts from {rf.min_prompt} tokens")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ PLACEMENT = "resident"
 #: the settings ``ridgefill-gguf tune`` chooses and writes into a map file (``ridgefill.tuned.*``),
 #: with their built-in defaults: an explicit value wins over the map file's, which wins over these
 TUNABLE_DEFAULTS: Mapping[str, Any] = {"tail": TAIL, "exact_fraction": EXACT_FRACTION, "selector": SELECTOR,
-                                       "span": SPAN}
+                                       "span": SPAN, "key_rescale": KEY_RESCALE}
 
 # ------------------------------------------------------------------------------------------------
 # the commands' defaults (the library functions and the command line share them)
@@ -70,9 +70,11 @@ TUNE_TAILS = (32, 64, 128)
 TUNE_FRACTIONS = (0.0, 0.05, 0.10, 0.20)
 TUNE_LENGTH = 2048
 TUNE_DOCS = 8
-#: tune: the spans searched (the span selectors only) and its retrieval check: prompts (one per
-#: depth, spread over the filled region) with this many planted codes each
+#: tune: the spans searched (the span selectors only) and the key rescales c_K (0: off)
 TUNE_SPANS = (SPAN,)
+TUNE_KEY_RESCALES = (KEY_RESCALE,)
+#: tune's retrieval check: prompts (one per depth, spread over the filled region) with this many
+#: planted codes each
 TUNE_RETRIEVAL_PROMPTS = 5
 TUNE_RETRIEVAL_CODES = 2
 #: fit: the calibration token budget and rows per calibration window
@@ -260,7 +262,7 @@ def check_selector(selector: str | Sequence[int], *, hint: str = "") -> str | tu
 
 
 def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """``tail``, ``exact_fraction``, ``selector`` and ``span`` resolved: the ``given`` value when not None,
+    """``tail``, ``exact_fraction``, ``selector``, ``span`` and ``key_rescale`` resolved: the ``given`` value when not None,
     else the map file's ``tuned`` one (``ridgefill.tuned.*``), else the built-in default
     (:data:`TUNABLE_DEFAULTS`). Returns the values and where each came from (``"argument"``,
     ``"map file"`` or ``"built-in"``)."""
@@ -278,6 +280,6 @@ def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
            "SPAN", "MAX_SPAN", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
            "BENCH_GREEDY_TOKENS", "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS",
-           "TUNE_LENGTH", "TUNE_DOCS", "TUNE_SPANS", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
+           "TUNE_LENGTH", "TUNE_DOCS", "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
            "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",
            "parse_selector", "check", "check_selector", "resolve_tunable"]

@@ -1,7 +1,7 @@
 """``ridgefill-gguf tune``: an automatic operating point (issue #8, item 4).
 
-Searches split (one map file per split), tail T, exact fraction and the selector's span for the
-**fastest** setting whose novel-token ΔNLL on held-out text stays within a budget (nats) and that
+Searches split (one map file per split), tail T, exact fraction, the selector's span and the key
+rescale c_K for the **fastest** setting whose novel-token ΔNLL on held-out text stays within a budget (nats) and that
 keeps every planted code exact prefill retrieves, and writes the chosen defaults into that map
 file's metadata (``ridgefill.tuned.*``, :func:`mapfile.write_tuned_defaults`),
 where ``RidgeFill(path)`` and ``Llama(..., ridgefill=path)`` pick them up.
@@ -67,6 +67,7 @@ class TuneOptions:
     fractions: tuple[float, ...] = settings.TUNE_FRACTIONS
     selector: str = settings.SELECTOR     # a name of settings.SELECTORS, the same for every setting
     spans: tuple[int, ...] = settings.TUNE_SPANS  # searched with the span selectors (attention, probe)
+    key_rescales: tuple[int, ...] = settings.TUNE_KEY_RESCALES  # c_K: 0 is off
     retrieval_prompts: int = settings.TUNE_RETRIEVAL_PROMPTS  # 0: no retrieval check
     codes: int = settings.TUNE_RETRIEVAL_CODES  # planted facts per retrieval prompt
     length: int = settings.TUNE_LENGTH    # prompt length of the held-out documents (tokens)
@@ -89,6 +90,7 @@ class TunePoint:
     exact_fraction: float
     selector: str
     span: int = settings.SPAN
+    key_rescale: int = settings.KEY_RESCALE
     novel: dict | None = None         # CI of the novel-token ΔNLL as a dict (estimate, low, high, n)
     all: dict | None = None           # CI of the ΔNLL over all scored tokens
     novel_tokens: int = 0
@@ -107,7 +109,8 @@ class TunePoint:
     @property
     def label(self) -> str:
         span = f" w={self.span}" if self.selector in settings.SPAN_SELECTORS else ""
-        return f"S={self.split} T={self.tail} f={self.exact_fraction:g}{span}"
+        key = f" cK={self.key_rescale}" if self.key_rescale else ""
+        return f"S={self.split} T={self.tail} f={self.exact_fraction:g}{span}{key}"
 
     @property
     def keeps_retrieval(self) -> bool:
@@ -232,6 +235,16 @@ def check_spans(spans: Sequence[int], selector: str) -> tuple[int, ...]:
     return tuple(spans)
 
 
+def check_key_rescales(key_rescales: Sequence[int]) -> tuple[int, ...]:
+    """The sorted, de-duplicated key rescales c_K to search (0: off; ValueError says what is wrong)."""
+    key_rescales = list(key_rescales)
+    if not key_rescales:
+        raise ValueError("no key rescales to search (give at least one c_K; 0 is off)")
+    for c in key_rescales:
+        settings.check("key_rescale", c, label="key rescale")
+    return tuple(sorted({int(c) for c in key_rescales}))
+
+
 def check_grid(tails: Sequence[int], fractions: Sequence[float], length: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Sorted, de-duplicated grid values, after checking them (ValueError says what is wrong)."""
     tails = list(tails)
@@ -262,7 +275,7 @@ def check_grid(tails: Sequence[int], fractions: Sequence[float], length: int) ->
 def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: float,
          options: TuneOptions | None = None, texts: dict[str, list[tuple[str, str]]] | None = None,
          progress: Callable[[int, int, str], None] | None = None, *, write: bool = True) -> TuneResult:
-    """Measure every (map file, tail, fraction, span) and choose the fastest setting within ``budget``
+    """Measure every (map file, tail, fraction, span, key rescale) and choose the fastest setting within ``budget``
     (novel-token ΔNLL, nats) that keeps retrieval; write it into that map file's metadata unless
     ``write`` is False.
     Raises :class:`NoFeasibleSetting` (a ValueError, nothing written) when no setting is within the
@@ -277,6 +290,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     if options.selector not in settings.SELECTORS:
         raise ValueError(f"selector {options.selector!r}: tune measures one of {settings.names(settings.SELECTORS)}")
     spans = check_spans(options.spans, options.selector)
+    key_rescales = check_key_rescales(options.key_rescales)
     if options.n_docs < 2:
         raise ValueError(f"n_docs {options.n_docs}: a confidence interval needs at least 2 documents")
     if isinstance(options.retrieval_prompts, bool) or not isinstance(options.retrieval_prompts, int) \
@@ -299,15 +313,16 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     res = TuneResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, budget=float(budget), options=asdict(options), sources=text_sources(texts),
                      scored_rows=k)
-    res.options["tails"], res.options["fractions"], res.options["spans"] = list(tails), list(fractions), list(spans)
-    res.points = [TunePoint(str(m), s, t, f, options.selector, w) for m, s in zip(maps, splits) for t in tails
-                  for f in fractions for w in spans]
+    res.options.update(tails=list(tails), fractions=list(fractions), spans=list(spans), key_rescales=list(key_rescales))
+    res.points = [TunePoint(str(m), s, t, f, options.selector, w, c) for m, s in zip(maps, splits) for t in tails
+                  for f in fractions for w in spans for c in key_rescales]
     n_retr = options.retrieval_prompts * (1 + len(res.points))
     tick = Ticker(1 + options.n_docs * (1 + len(res.points)) + n_retr, progress)
 
     # every setting, measured with min_prompt 0 (the documents are the prompts)
     fills = [RidgeFill(p.maps, split=p.split, tail=p.tail, exact_fraction=p.exact_fraction, selector=p.selector,
-                       span=p.span, value_rescale=options.value_rescale, min_prompt=0) for p in res.points]
+                       span=p.span, value_rescale=options.value_rescale, key_rescale=p.key_rescale, min_prompt=0)
+             for p in res.points]
     ceilings: list[list[float]] = [[] for _ in res.points]
     n_exacts: list[list[float]] = [[] for _ in res.points]
     llm = open_context(model, n, options.n_batch, options.n_threads, fills[0])
@@ -392,7 +407,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
             raise NoFeasibleSetting(
                 f"no setting is within the budget of {budget:g} nats and keeps retrieval: {len(lost)} within the "
                 f"budget lose planted codes exact prefill retrieves (the fastest, {fastest.label}, keeps {kept} of "
-                f"{of}); add larger exact fractions, spans or tails, or a later split's map file (nothing was written)",
+                f"{of}); add larger exact fractions, spans, tails or key rescales, or a later split's map file (nothing was written)",
                 res)
         raise NoFeasibleSetting(
             f"no setting is within the budget of {budget:g} nats: the best novel-token ΔNLL {what} reached is "
@@ -402,7 +417,8 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     p = res.best
     res.defaults = {
         "tail": p.tail, "exact_fraction": p.exact_fraction, "selector": p.selector,
-        "span": p.span if p.selector in settings.SPAN_SELECTORS else None, "budget": float(budget),
+        "span": p.span if p.selector in settings.SPAN_SELECTORS else None, "key_rescale": p.key_rescale,
+        "budget": float(budget),
         "criterion": "upper" if options.strict else "estimate",
         "delta_nll_novel": p.novel["estimate"],
         "delta_nll_novel_low": p.novel["low"] if p.novel["low"] == p.novel["low"] else None,
@@ -482,9 +498,11 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
     L.append(f"- model: `{Path(res.model).name}` ({res.architecture}, {res.n_layer} layers)")
     L.append("- map files: " + ", ".join(f"`{Path(m).name}` (S = {s})" for m, s in zip(res.maps, res.splits)))
     spans = o["selector"] in settings.SPAN_SELECTORS
+    keys = any(p.key_rescale for p in res.points)
     L.append(f"- grid: T in {{{', '.join(str(t) for t in o['tails'])}}}, exact fraction in "
              f"{{{', '.join(f'{f:g}' for f in o['fractions'])}}}, selector {o['selector']}"
              + (f", span in {{{', '.join(str(w) for w in o['spans'])}}}" if spans else "")
+             + (f", key rescale c_K in {{{', '.join(str(c) for c in o['key_rescales'])}}} (0: off)" if keys else "")
              + f", value rescale c = {o['value_rescale']}")
     r = res.retrieval
     if r is not None:
@@ -515,13 +533,14 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
         L.append("")
     else:
         L.append("**No setting is within the budget.**\n")
-    L.append("| split | T | fraction |" + (" span |" if spans else "") + " ΔNLL novel | ΔNLL all | speedup | ceiling 1/r |"
+    L.append("| split | T | fraction |" + (" span |" if spans else "") + (" c_K |" if keys else "") + " ΔNLL novel | ΔNLL all | speedup | ceiling 1/r |"
              + (" retrieval kept |" if r is not None else "") + " feasible | on the front |")
-    L.append("|---:|---:|---:|" + ("---:|" if spans else "") + "---|---|---:|---:|" + ("---:|" if r is not None else "")
+    L.append("|---:|---:|---:|" + ("---:|" if spans else "") + ("---:|" if keys else "") + "---|---|---:|---:|" + ("---:|" if r is not None else "")
              + ":-:|:-:|")
     for i, p in enumerate(res.points):
         mark = " **(chosen)**" if i == res.chosen else ""
         L.append(f"| {p.split} | {p.tail} | {p.exact_fraction:g} |" + (f" {p.span} |" if spans else "")
+                 + (f" {p.key_rescale} |" if keys else "")
                  + f" {ci_text(p.novel)} | {ci_text(p.all)} | {p.speedup:.2f}x | {p.ceiling:.2f}x |"
                  + (f" {p.retrieval['kept'][0]}/{p.retrieval['kept'][1]} |" if p.retrieval is not None else "")
                  + f" {'yes' if p.feasible else 'no'}{mark} | {'yes' if p.on_front else ''} |")
@@ -532,4 +551,4 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
 
 
 __all__ = ["TuneOptions", "TunePoint", "TuneResult", "NoFeasibleSetting", "tune", "pareto_front", "choose",
-           "is_feasible", "check_grid", "check_spans", "write_tune_report", "plot_pareto", "tune_markdown"]
+           "is_feasible", "check_grid", "check_spans", "check_key_rescales", "write_tune_report", "plot_pareto", "tune_markdown"]

@@ -156,7 +156,8 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     # GET /props tells clients the server's settings
     props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
     assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "span": 16,
-                     "min_prompt": 64}
+                     "key_rescale": 0, "min_prompt": 64}
+    assert "key_rescale" in st and st["key_rescale"] == 0
 
 
 def test_exact_request_is_stock_prefill(tiny, tiny_models):
@@ -709,3 +710,21 @@ def test_huge_and_malformed_requests_get_short_400s(tiny):
         assert status == 400 and err["type"] == "invalid_request_error", (raw, status, err)
         assert "invalid JSON in the request" in err["message"], err
     assert _get(tiny.url + "/health")[0] == 200 and tiny.process.poll() is None
+
+
+def test_key_rescale_in_the_server_matches_the_library(tiny_models, tmp_path):
+    """--ridgefill-key-rescale (a map file's tuned c_K reaches the server this way): the server's
+    first-token probabilities and greedy tokens are the library's with the same key rescale, and
+    differ from those without it; /props and the statistics report it."""
+    model = tiny_models["llama"]
+    rf = RidgeFill.identity(**TINY_RF, key_rescale=8)
+    prompt = _prompt(model, 400)
+    with Server(model, rf, extra_args=TINY_ARGS, log_path=tmp_path / "server.log", startup_timeout=60) as s:
+        assert "--ridgefill-key-rescale" in s.args
+        res = _complete(s, prompt)
+        props = json.loads(_get(s.url + "/props")[1])["ridgefill"]
+    lib = _library(model, prompt, rf)
+    _assert_same(res, lib)
+    assert res["ridgefill"]["applied"] and res["ridgefill"]["key_rescale"] == props["key_rescale"] == 8
+    without = _library(model, prompt, RidgeFill.identity(**TINY_RF))
+    assert max(abs(without[0].get(t, 0.0) - p) for t, p in lib[0].items()) > 1e-4  # the scales changed the answer

@@ -64,8 +64,10 @@ def test_selector_grammar_and_checks():
         settings.check("splice", "Q")
     values, origin = settings.resolve_tunable({"tail": 8, "exact_fraction": None, "selector": None},
                                               {"exact_fraction": 0.5, "span": 4})
-    assert values == {"tail": 8, "exact_fraction": 0.5, "selector": settings.SELECTOR, "span": 4}
-    assert origin == {"tail": "argument", "exact_fraction": "map file", "selector": "built-in", "span": "map file"}
+    assert values == {"tail": 8, "exact_fraction": 0.5, "selector": settings.SELECTOR, "span": 4,
+                      "key_rescale": settings.KEY_RESCALE}
+    assert origin == {"tail": "argument", "exact_fraction": "map file", "selector": "built-in", "span": "map file",
+                      "key_rescale": "built-in"}
 
 
 @pytest.fixture(scope="module")

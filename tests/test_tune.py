@@ -14,6 +14,7 @@ import shutil
 import stat
 
 import pytest
+from conftest import evaluation_tokens
 
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
@@ -21,8 +22,8 @@ from ridgefill_cpp.gguf_model import read_header, read_metadata
 from ridgefill_cpp.mapfile import (TUNED_PREFIX, MapFileError, compatibility_problems, read_map_file,
                                    read_tuned_defaults, tuned_defaults_from_metadata, write_map_file,
                                    write_tuned_defaults)
-from ridgefill_cpp.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, check_spans, choose, is_feasible,
-                                pareto_front, tune)
+from ridgefill_cpp.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, check_key_rescales, check_spans,
+                                choose, is_feasible, pareto_front, tune, tune_markdown)
 
 # tails too short for the retrieval question: the retrieval check is off here, and on in its own tests
 OPTS = dict(tails=(8, 16), fractions=(0.0, 0.5), length=256, n_docs=3, n_threads=1, n_boot=300, retrieval_prompts=0)
@@ -209,16 +210,19 @@ def test_ridgefill_uses_tuned_defaults_and_arguments_win(tiny_models, fitted, tm
     (path,) = _copies(fitted, tmp_path, splits=(3,))
     rf = RidgeFill(path)
     assert (rf.tail, rf.exact_fraction, rf.selector) == (64, 0.10, "attention") and rf.tuned is None
-    assert rf.origin == {"tail": "built-in", "exact_fraction": "built-in", "selector": "built-in", "span": "built-in"}
+    assert rf.origin == {"tail": "built-in", "exact_fraction": "built-in", "selector": "built-in", "span": "built-in",
+                         "key_rescale": "built-in"}
     assert read_tuned_defaults(path) is None
     write_tuned_defaults(path, {"tail": 12, "exact_fraction": 0.25, "selector": "none", "budget": 0.02})
     rf = RidgeFill(path, min_prompt=0)
     assert (rf.tail, rf.exact_fraction, rf.selector) == (12, 0.25, "none")
     assert rf.tuned["budget"] == 0.02 and rf.span == 16 and rf.origin.pop("span") == "built-in"
+    assert rf.key_rescale == 0 and rf.origin.pop("key_rescale") == "built-in"
     assert set(rf.origin.values()) == {"map file"}
     rf2 = RidgeFill(path, tail=5, selector=[3, 7], min_prompt=0)
     assert (rf2.tail, rf2.exact_fraction, rf2.selector, rf2.positions) == (5, 0.25, "positions", (3, 7))
-    assert rf2.origin == {"tail": "argument", "exact_fraction": "map file", "selector": "argument", "span": "built-in"}
+    assert rf2.origin == {"tail": "argument", "exact_fraction": "map file", "selector": "argument", "span": "built-in",
+                          "key_rescale": "built-in"}
     ident = RidgeFill.identity(3)
     assert (ident.tail, ident.exact_fraction, ident.selector, ident.tuned) == (64, 0.10, "attention", None)
     # the existing validation runs on the resolved values
@@ -473,3 +477,69 @@ def test_cli_tune_spans_and_the_tuned_span_in_eval(tiny_models, fitted, cli, tmp
     d = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert d["options"]["selector"] == f"attention@{span}"
     assert f"ridge, attention@{span} selector" in d["retrieval"]["256"]
+
+
+def test_tune_searches_key_rescales(tiny_models, fitted, tmp_path):
+    """tune --key-rescales: each c_K is a setting of its own, measured with that key rescale (the
+    same prompts give other losses than without it), and the chosen c_K goes into the map file."""
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    opts = dict(OPTS, tails=(16,), fractions=(0.0,), key_rescales=(8, 0, 8))
+    res = tune(tiny_models["llama"], [path], 10.0, TuneOptions(**opts))
+    assert [p.key_rescale for p in res.points] == [0, 8] and res.options["key_rescales"] == [0, 8]
+    assert [p.label for p in res.points] == ["S=4 T=16 f=0 w=16", "S=4 T=16 f=0 w=16 cK=8"]
+    off, on = res.points
+    assert [d["all"] for d in off.docs] != [d["all"] for d in on.docs]  # the key scales changed the filled keys
+    t = read_tuned_defaults(path)
+    assert t["key_rescale"] == res.best.key_rescale
+    rf = RidgeFill(path)
+    assert rf.key_rescale == res.best.key_rescale and rf.origin["key_rescale"] == "map file"
+    assert RidgeFill(path, key_rescale=3).key_rescale == 3  # an argument wins
+    md = tune_markdown(res)
+    assert "key rescale c_K in {0, 8}" in md and "| c_K |" in md
+
+
+def test_a_tuned_key_rescale_is_used_and_shown(tiny_models, fitted, cli, tmp_path):
+    """A map file whose tuned point has a key rescale: Llama(ridgefill=path) measures the key scales,
+    bench applies it to both fills, eval measures it as its variant, info shows it, and serve
+    passes it to llama-server."""
+    from ridgefill_cpp.bench import benchmark_prefill
+    from ridgefill_cpp.serve import server_args
+
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    write_tuned_defaults(path, {"tail": 16, "exact_fraction": 0.0, "selector": "attention", "key_rescale": 8})
+    rf = RidgeFill(path, min_prompt=0)
+    assert rf.key_rescale == 8 and rf.params().n_key_rescale == 8
+    tokens = evaluation_tokens(tiny_models["llama"], 200)
+    llm = Llama(str(tiny_models["llama"]), ridgefill=rf, n_ctx=512, n_threads=1, verbose=False)
+    try:
+        llm.prefill(tokens, 1)
+        scales = llm.ridgefill_key_scales()
+        assert scales and any(s != 1.0 for row in scales for s in row)
+        llm.set_ridgefill(RidgeFill(path, min_prompt=0, key_rescale=0))
+        llm.prefill(tokens, 1)
+        assert llm.ridgefill_key_scales() == []
+    finally:
+        llm.close()
+    res = benchmark_prefill(tiny_models["llama"], lengths=(200,), maps=path, tail=16, exact_fraction=0.0,
+                            min_prompt=0, repeats=1, greedy_tokens=0, n_threads=1)
+    assert res.key_rescale == 8
+    assert "key rescale c_K = 8" in " ".join(cli("info", path).output.split())  # (the table folds long lines)
+    r = cli("eval", tiny_models["llama"], "--maps", path, "--quick", "--docs", 0, "--depths", "0.5",
+            "--retrieval-prompts", 1, "--lengths", 256, "--tail", 60, "--threads", 1, "--out", tmp_path / "ev")
+    assert r.exit_code == 0, r.output
+    assert "key_rescale 8" in " ".join(r.output.split())
+    d = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert d["options"]["key_rescale"] == 8 and any("key rescale" in c for c in d["retrieval"]["256"])
+    args = server_args(tiny_models["llama"], path, "127.0.0.1", 1)
+    assert args[args.index("--ridgefill-key-rescale") + 1] == "8"
+    assert "--ridgefill-key-rescale" not in server_args(tiny_models["llama"], RidgeFill(path, key_rescale=0), "127.0.0.1", 1)
+
+
+def test_check_key_rescales(cli, tiny_models, fitted):
+    assert check_key_rescales([512, 0, 512]) == (0, 512)
+    for values, msg in [([], "no key rescales"), ([-1], "key rescale -1 must be >= 0"),
+                        ([2.5], "must be an integer")]:
+        with pytest.raises(ValueError, match=msg):
+            check_key_rescales(values)
+    r = cli("tune", tiny_models["llama"], "--maps", fitted[4], "--budget", 0.1, "--key-rescales", "0,x", *CLI_GRID)
+    assert r.exit_code != 0 and "--key-rescales" in r.output

@@ -58,6 +58,7 @@ common_json server_ridgefill_props(const common_params_ridgefill & params) {
     res["exact_fraction"] = params.exact_fraction;
     res["selector"]       = params.selector;
     res["span"]           = params.span;
+    res["key_rescale"]    = params.n_key_rescale;
     res["min_prompt"]     = params.min_prompt;
     return res;
 }
@@ -160,6 +161,7 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
     defaults.exact_fraction = params.exact_fraction;
     defaults.min_prompt     = params.min_prompt;
     defaults.span           = params.span;
+    defaults.n_key_rescale  = params.n_key_rescale;
     defaults.selector       = server_ridgefill_selector_from_name(params.selector);
     if (defaults.selector < 0) {
         error = "--ridgefill-selector " + params.selector + ": use one of " + rf_selector_names();
@@ -187,10 +189,10 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
     attached    = defaults;
     is_attached = true;
     this->ctx   = ctx;
-    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d, exact fraction %.3g, selector %s (span %d), prompts of >= %d new rows\n",
+    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d, exact fraction %.3g, selector %s (span %d), key rescale %d, prompts of >= %d new rows\n",
             __func__, maps ? params.maps.c_str() : "identity fill", defaults.split_layer, llama_model_n_layer(model),
             defaults.n_tail, defaults.exact_fraction, server_ridgefill_selector_name(defaults.selector), defaults.span,
-            defaults.min_prompt);
+            defaults.n_key_rescale, defaults.min_prompt);
     return true;
 }
 
@@ -287,6 +289,7 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     stats["selector"]       = server_ridgefill_selector_name(attached.selector);
     stats["exact_fraction"] = attached.exact_fraction;
     stats["span"]           = attached.span;
+    stats["key_rescale"]    = attached.n_key_rescale;
     stats["probe_rows"]     = st.n_probe;
     stats["ceiling"]        = st.ceiling;
     stats["late_ms"]        = st.t_late_ms;
