@@ -732,9 +732,12 @@ def test_splice_keeps_the_exact_k_or_v_of_filled_rows(arch, tiny_models, oracles
 
 @pytest.mark.slow
 def test_quantized_kv_cache_on_a_real_model(smollm2_path):
-    """A Q8_0 K/V cache (flash attention; llama.cpp may rotate quantized K/V): all rows exact is
-    bit-identical to stock, and the filled rows' K/V land where the F16-cache run puts them (the
-    two fills agree far better than either agrees with stock)."""
+    """A Q8_0 K/V cache (flash attention; llama.cpp rotates quantized K/V): all rows exact is
+    bit-identical to stock, and the filled rows' K/V land where the F16-cache run puts them: the
+    Q8_0 and F16 fills differ by about what the Q8_0 cache costs stock prefill (its noise floor).
+    Measured on SmolLM2 (1,200 tokens, S = 20): floor 0.005, fills 0.007; filled K left unrotated
+    gives 2.7, filled V left unrotated 0.13, so the bound of 4x the floor separates them on any
+    CPU (the fill-vs-stock KL of 0.03 that an earlier bound leaned on varies with the kernels)."""
     from ridgefill_cpp.bench import kl_divergence, prompt_tokens
 
     def run(rf, cache_type):
@@ -748,12 +751,14 @@ def test_quantized_kv_cache_on_a_real_model(smollm2_path):
 
     q8, f16 = 8, 1
     stock, _ = run(None, q8)
+    stock_f16, _ = run(None, f16)
     exact, st = run(RidgeFill.identity(20, exact_fraction=1.0, value_rescale=0, min_prompt=0), q8)
     assert st["n_filled"] == 0 and np.array_equal(exact, stock)
     fill_q8, st = run(RidgeFill.identity(20, min_prompt=0), q8)
     fill_f16, _ = run(RidgeFill.identity(20, min_prompt=0), f16)
     assert st["n_filled"] > 900
-    assert kl_divergence(fill_f16, fill_q8) < 0.2 * kl_divergence(stock, fill_q8)
+    floor = kl_divergence(stock_f16, stock)
+    assert 0 < floor and kl_divergence(fill_f16, fill_q8) < 4 * floor
 
 
 @pytest.mark.parametrize("arch", DENSE)
