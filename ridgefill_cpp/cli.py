@@ -267,7 +267,7 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
         ("model fingerprint", meta.fingerprint),
         ("split S", f"{meta.split_layer}: maps for layers {meta.layers[0]}-{meta.layers[-1]}"),
         ("objective", f"{meta.objective} (input φ = {meta.input_norm})"),
-        ("calibration", f"{meta.calib_n_tokens} tokens in windows of {meta.calib_ctx} ({meta.calib_n_rows} rows used, "
+        ("calibration", f"{meta.calib_n_tokens} tokens in windows of {meta.calib_windows} ({meta.calib_n_rows} rows used, "
                         f"first {meta.calib_skip_rows} of each window skipped); {meta.calib_source}"),
         ("held-out rows", str(meta.heldout_n_rows)),
         ("memory", f"{n_bytes / 2**20:.1f} MiB of maps: with their layers' weights by default (VRAM on a GPU build), or "
@@ -323,8 +323,9 @@ def fit(
                                     "Several, comma-separated (e.g. 16,20,24), are fitted from one capture pass."),
     tokens: Optional[int] = typer.Option(None, "--tokens", "-n", min=1,
                                          help=f"Calibration token budget (default {settings.FIT_TOKENS:,})."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", min=8, help="Rows per calibration window (each a fresh sequence; "
-                                                                 f"default {settings.FIT_CTX})."),
+    ctx: Optional[str] = typer.Option(None, "--ctx", help="Rows per calibration window (each a fresh sequence; default "
+                                                          f"{settings.FIT_CTX}). Several, comma-separated (e.g. 512,4096): "
+                                                          "mixed-length windows, each length an equal share of the tokens."),
     objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
     dtype: str = typer.Option("f16", "--dtype", help="Storage type of the A matrices: f16 or f32."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads for llama.cpp."),
@@ -339,7 +340,8 @@ def fit(
              "RidgeFill(state_correction=\"gain\"). Default: on when the model has recurrent layers above the split; "
              "ignored, with a note, otherwise."),
     state_gain_windows: int = typer.Option(
-        16, "--state-gain-windows", min=1, help="At most this many calibration windows (of --ctx rows) for the state gains."),
+        16, "--state-gain-windows", min=1, help="At most this many calibration windows (of --ctx rows, the longest of "
+                                                "several) for the state gains."),
 ) -> None:
     """Fit one closed-form ridge map per late layer from llama.cpp's own hidden states on calibration
     text, and write them as a GGUF side file (docs/design.md §7). For hybrid models, also the terminal-state
@@ -352,7 +354,10 @@ def fit(
     from .mapfile import write_map_file
 
     tokens = settings.FIT_TOKENS if tokens is None else tokens
-    ctx = settings.FIT_CTX if ctx is None else ctx
+    lengths = [settings.FIT_CTX] if ctx is None else _number_list(ctx, "--ctx", int)
+    if min(lengths) < 8 or len(set(lengths)) != len(lengths):
+        _fail(f"--ctx must be distinct window lengths of at least 8 rows, not {ctx!r}")
+    ctx = max(lengths)  # the state gains' windows
     if dtype not in ("f16", "f32"):
         _fail(f"--dtype must be f16 or f32, not {dtype!r}")
     if objective not in ("normalized", "raw"):
@@ -394,7 +399,8 @@ def fit(
         docs = corpus.default_documents("calibration")
         source = corpus.default_source_description("calibration")
         documents = lambda: corpus.default_documents("calibration")  # noqa: E731
-    opts = FitOptions(objective=objective, n_tokens=tokens, ctx=ctx, n_threads=threads)
+    opts = FitOptions(objective=objective, n_tokens=tokens, ctx=lengths[0] if len(lengths) == 1 else tuple(lengths),
+                      n_threads=threads)
     with Progress(TextColumn("capturing hidden states"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.completed:>8.0f} tokens  {task.fields[rate]}"), TimeRemainingColumn(),
                   console=err, transient=False) as bar:
@@ -414,7 +420,7 @@ def fit(
         m, tm = res.maps.meta, res.timings
         out.print(_quality_table(m, f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality"))
         out.print(
-            f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_ctx}), {m.heldout_n_rows} held-out rows; "
+            f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_windows}), {m.heldout_n_rows} held-out rows; "
             f"forward {tm.forward_s:.1f} s, statistics {tm.accumulate_s:.1f} s "
             f"({100 * tm.accumulate_s / max(tm.forward_s, 1e-9):.1f}% of the forward), solve {tm.solve_s:.1f} s",
             highlight=False,

@@ -302,7 +302,7 @@ def maps_variant_names(maps: Sequence[os.PathLike | str], model: os.PathLike | s
                                f"split (S = {metas[0].split_layer})")
     first, names = metas[0], ["ridge"]
     for m, meta in zip(maps[1:], metas[1:]):
-        diff = [f"{meta.calib_ctx}-row windows" if meta.calib_ctx != first.calib_ctx else "",
+        diff = [f"{meta.calib_windows}-row windows" if meta.calib_windows != first.calib_windows else "",
                 f"{meta.calib_n_tokens} tokens" if meta.calib_n_tokens != first.calib_n_tokens else "",
                 f"text {meta.calib_source}" if meta.calib_source != first.calib_source else "",
                 f"{meta.objective} objective" if meta.objective != first.objective else ""]

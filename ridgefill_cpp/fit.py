@@ -4,13 +4,17 @@ For a split S and every late layer l = S+1 .. L-1, fit ``x_l ≈ A_l φ(x_S) + b
 
 1. **Capture.** The calibration text is tokenized with the model's own tokenizer and cut into
    windows of ``ctx`` rows, each a fresh sequence starting with BOS where the model uses one.
+   With several lengths (mixed-length windows, e.g. ``ctx=(512, 4096)``) each length gets an
+   equal share of the tokens, and its windows are spread evenly through the sequence
+   (:func:`window_plan`): the maps see the positions of long prompts, and the early positions
+   keep the weight the short windows give them.
    llama.cpp runs each window and returns the inputs of layers S..L-1 for every row, through the
    patched library (:mod:`ridgefill_cpp.capture`), i.e. with the numerics of run time.
 2. **Attention-sink rows are left out.** The first ``skip_rows`` rows of a window (BOS and the
    first tokens) carry the attention sink: their hidden states have huge outlier dimensions and
    would dominate a least-squares fit while saying nothing about ordinary rows. They are excluded
    from the statistics. (At run time such rows are rare; keeping them exact is the selector's job.)
-3. **Streaming statistics.** Every ``holdout_every``-th window (at least one) is held out; the others update
+3. **Streaming statistics.** Every ``holdout_every``-th window of each length (at least one) is held out; the others update
    float64 sums ``n, Σx, Σxxᵀ`` and, per layer, ``Σy, Σxyᵀ``. Memory does not grow with the
    number of calibration tokens: held-out rows are kept only up to ``max_heldout_rows``.
 4. **Objective.** ``normalized`` (default) fits on RMS-normalised states, φ(x) = x / rms(x), for
@@ -60,7 +64,7 @@ class FitOptions:
     split: int | None = None  # None: L - floor(L/3)
     objective: str = "normalized"
     n_tokens: int = settings.FIT_TOKENS  # calibration token budget
-    ctx: int = settings.FIT_CTX  # window length
+    ctx: int | tuple[int, ...] = settings.FIT_CTX  # window length; several: mixed-length windows
     skip_rows: int = 4  # attention-sink rows left out at the start of each window
     holdout_every: int = 10  # every k-th window is held out
     max_heldout_rows: int = 4096
@@ -188,6 +192,45 @@ def bos_prefix(llm) -> list[int]:
 def heldout_windows(n_windows: int, every: int) -> set[int]:
     """The calibration windows the fit holds out: every ``every``-th; with fewer, the last one."""
     return {w for w in range(n_windows) if (w + 1) % every == 0} or {n_windows - 1}
+
+
+def window_lengths(ctx: int | Sequence[int]) -> tuple[int, ...]:
+    """The calibration window lengths of ``ctx`` (one length, or several for mixed-length windows),
+    ascending."""
+    lengths = (int(ctx),) if isinstance(ctx, (int, np.integer)) else tuple(sorted(int(c) for c in ctx))
+    if not lengths or len(set(lengths)) != len(lengths):
+        raise FitError(f"ctx {ctx}: window lengths must be distinct and at least one")
+    return lengths
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int  # first calibration token
+    n_tokens: int  # calibration tokens (the window less its BOS)
+    heldout: bool
+
+
+def window_plan(n_tokens: int, lengths: Sequence[int], n_bos: int, holdout_every: int) -> list[Window]:
+    """The calibration windows of ``n_tokens`` tokens, in decode order.
+
+    Each length gets an equal share of the tokens and as many windows as fit in it; every
+    ``holdout_every``-th window of a length is held out (at least one: :func:`heldout_windows`).
+    Windows of different lengths are interleaved by their relative place in their own length's
+    sequence, so each length is spread over the whole text. With one length this is the plain cut
+    into consecutive windows. A length that gets no window leaves it out of the plan (the caller
+    reports it)."""
+    share = n_tokens // len(lengths)
+    keyed = []
+    for j, ln in enumerate(lengths):
+        per = ln - n_bos
+        count = share // per
+        held = heldout_windows(count, holdout_every) if count else set()
+        keyed += [((i + 0.5) / count, j, per, i in held) for i in range(count)]
+    plan, start = [], 0
+    for _, _, per, held in sorted(keyed):
+        plan.append(Window(start, per, held))
+        start += per
+    return plan
 
 
 def calibration_tokens(llm, documents: Iterable[Document], budget: int) -> list[int]:
@@ -332,10 +375,11 @@ def fit_ridge_maps_for_splits(
             raise FitError(f"split {split} = L-1 leaves no layer to map (maps exist for S+1..L-1)")
     if opt.objective not in OBJECTIVES:
         raise FitError(f"objective {opt.objective!r}: expected one of {', '.join(OBJECTIVES)}")
-    if opt.ctx <= opt.skip_rows + 1:
-        raise FitError(f"ctx {opt.ctx} leaves no rows after skipping {opt.skip_rows} sink rows")
-    if info.context_length and opt.ctx > info.context_length:
-        raise FitError(f"ctx {opt.ctx} is longer than the model's training context ({info.context_length} tokens): "
+    lengths = window_lengths(opt.ctx)
+    if lengths[0] <= opt.skip_rows + 1:
+        raise FitError(f"ctx {lengths[0]} leaves no rows after skipping {opt.skip_rows} sink rows")
+    if info.context_length and lengths[-1] > info.context_length:
+        raise FitError(f"ctx {lengths[-1]} is longer than the model's training context ({info.context_length} tokens): "
                        f"calibration windows must fit in it")
     md = read_metadata(model_path)
     eps = float(md.get(f"{info.architecture}.attention.layer_norm_rms_epsilon", 1e-6))
@@ -344,34 +388,37 @@ def fit_ridge_maps_for_splits(
 
     timings = FitTimings()
     accs = [_SplitAccumulator(s, L, d) for s in splits]
-    cap = _WindowCapture(model_path, captured, opt.ctx, opt.n_threads)
+    cap = _WindowCapture(model_path, captured, lengths[-1], opt.n_threads)
     try:
         t0 = time.perf_counter()
         tokens = calibration_tokens(cap.llm, documents, opt.n_tokens)
         timings.tokenize_s = time.perf_counter() - t0
-        per_window = cap.per_window
-        rows_per_window = opt.ctx - opt.skip_rows
-        n_windows = len(tokens) // per_window
-        heldout = heldout_windows(n_windows, opt.holdout_every)
-        n_train_windows = n_windows - len(heldout)
+        n_bos = len(cap.bos)
+        plan = window_plan(len(tokens), lengths, n_bos, opt.holdout_every)
+        n_train_rows = sum(w.n_tokens + n_bos - opt.skip_rows for w in plan if not w.heldout)
         needed = d + 1
-        if n_windows < 2 or n_train_windows * rows_per_window < needed:
+        counts = {ln: sum(w.n_tokens == ln - n_bos for w in plan) for ln in lengths}
+        if min(counts.values()) < (2 if len(lengths) == 1 else 1) or n_train_rows < needed:
+            shortest = (math.ceil(needed / (lengths[0] - opt.skip_rows)) + 1) * (lengths[0] - n_bos)
             raise FitError(
-                f"too little calibration text: {len(tokens)} tokens make {n_windows} window(s) of {opt.ctx}; "
-                f"the fit needs at least {needed} training rows (n_embd + 1 unknowns) plus held-out windows, "
-                f"i.e. about {(math.ceil(needed / rows_per_window) + 1) * per_window} tokens"
+                f"too little calibration text: {len(tokens)} tokens make "
+                f"{', '.join(f'{c} window(s) of {ln}' for ln, c in counts.items())}; the fit needs at least "
+                f"{needed} training rows (n_embd + 1 unknowns) plus held-out windows"
+                f"{', and a window of every length' if len(lengths) > 1 else ''}, "
+                f"i.e. about {len(lengths) * max(shortest, lengths[-1] - n_bos)} tokens"
             )
-        for w in range(n_windows):
+        n_planned = sum(w.n_tokens for w in plan)
+        for w in plan:
             t0 = time.perf_counter()
-            states = cap.run(tokens[w * per_window:(w + 1) * per_window], opt.skip_rows)
+            states = cap.run(tokens[w.start:w.start + w.n_tokens], opt.skip_rows)
             t1 = time.perf_counter()
             timings.forward_s += t1 - t0
             phi = objective_space(states, normalize, eps)
             for acc in accs:
-                acc.add(phi, w in heldout, opt.max_heldout_rows)
+                acc.add(phi, w.heldout, opt.max_heldout_rows)
             timings.accumulate_s += time.perf_counter() - t1
             if progress:
-                progress((w + 1) * per_window, n_windows * per_window)
+                progress(w.start + w.n_tokens, n_planned)
     finally:
         cap.close()
 
@@ -391,11 +438,12 @@ def fit_ridge_maps_for_splits(
             input_norm_eps=eps,
             layers=acc.layers,
             lambdas=lambdas,
-            calib_n_tokens=n_windows * per_window,
+            calib_n_tokens=n_planned,
             calib_n_rows=acc.stats.n,
             calib_source=source,
-            calib_ctx=opt.ctx,
+            calib_ctx=lengths[-1],
             calib_skip_rows=opt.skip_rows,
+            calib_ctx_lengths=list(lengths) if len(lengths) > 1 else [],
             heldout_n_rows=n_held,
             r2=r2s,
             rel_err_median=errs,
@@ -404,7 +452,7 @@ def fit_ridge_maps_for_splits(
             model_name=info.name or Path(model_path).name,
             tool_version=__version__,
         )
-        results.append(FitResult(RidgeMaps(meta, a_maps, b_maps), tm, n_windows, curves))
+        results.append(FitResult(RidgeMaps(meta, a_maps, b_maps), tm, len(plan), curves))
     return results
 
 
@@ -419,7 +467,8 @@ def evaluate_maps(
 ) -> dict[str, list[float]]:
     """Median relative error of the predicted layer input on ``documents`` (e.g. evaluation text):
     ``{"layers", "ridge", "identity"}``, per mapped layer, in the direction the layer's norm sees.
-    Uses the calibration windowing of the map file (window length, skipped sink rows)."""
+    Uses the calibration windowing of the map file (window length, the longest of mixed lengths;
+    skipped sink rows)."""
     meta = maps.meta
     cap = _WindowCapture(model_path, [meta.split_layer] + list(meta.layers), meta.calib_ctx, n_threads)
     errs: dict[int, list[torch.Tensor]] = {il: [] for il in meta.layers}

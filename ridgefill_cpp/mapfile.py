@@ -57,6 +57,7 @@ KEY_CALIB_ROWS = "ridgefill.calibration.n_rows"
 KEY_CALIB_SOURCE = "ridgefill.calibration.source"
 KEY_CALIB_CTX = "ridgefill.calibration.ctx"
 KEY_CALIB_SKIP = "ridgefill.calibration.skip_rows"
+KEY_CALIB_CTX_MIX = "ridgefill.calibration.ctx_lengths"  # only for mixed-length windows
 KEY_HELDOUT_ROWS = "ridgefill.quality.n_heldout_rows"
 KEY_R2 = "ridgefill.quality.r2"
 KEY_REL_ERR = "ridgefill.quality.rel_err_median"
@@ -146,8 +147,9 @@ class MapFileMeta:
     calib_n_tokens: int = 0
     calib_n_rows: int = 0
     calib_source: str = ""
-    calib_ctx: int = 0
+    calib_ctx: int = 0  # window length; with mixed-length windows the longest
     calib_skip_rows: int = 0
+    calib_ctx_lengths: list[int] = field(default_factory=list)  # mixed-length windows: every length; else []
     heldout_n_rows: int = 0
     r2: list[float] = field(default_factory=list)
     rel_err_median: list[float] = field(default_factory=list)
@@ -160,6 +162,11 @@ class MapFileMeta:
     @property
     def input_norm(self) -> str:
         return INPUT_NORMS[self.objective]
+
+    @property
+    def calib_windows(self) -> str:
+        """The calibration windows' rows as text: ``"512"``, or ``"512+4096"`` for mixed lengths."""
+        return "+".join(str(n) for n in self.calib_ctx_lengths) if len(self.calib_ctx_lengths) > 1 else str(self.calib_ctx)
 
 
 @dataclass
@@ -215,6 +222,8 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
         w.add_string(KEY_CALIB_SOURCE, meta.calib_source or "unspecified")  # gguf-py drops empty strings
         w.add_uint32(KEY_CALIB_CTX, meta.calib_ctx)
         w.add_uint32(KEY_CALIB_SKIP, meta.calib_skip_rows)
+        if len(meta.calib_ctx_lengths) > 1:
+            w.add_array(KEY_CALIB_CTX_MIX, [int(x) for x in meta.calib_ctx_lengths])
         w.add_uint64(KEY_HELDOUT_ROWS, meta.heldout_n_rows)
         for key, vals in ((KEY_R2, meta.r2), (KEY_REL_ERR, meta.rel_err_median), (KEY_ID_REL_ERR, meta.identity_rel_err_median)):
             w.add_key_value(key, [float(x) for x in vals], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
@@ -362,6 +371,7 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
             calib_source=md[KEY_CALIB_SOURCE],
             calib_ctx=int(md[KEY_CALIB_CTX]),
             calib_skip_rows=int(md[KEY_CALIB_SKIP]),
+            calib_ctx_lengths=[int(x) for x in md.get(KEY_CALIB_CTX_MIX, [])],
             heldout_n_rows=int(md[KEY_HELDOUT_ROWS]),
             r2=list(md[KEY_R2]),
             rel_err_median=list(md[KEY_REL_ERR]),

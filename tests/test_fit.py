@@ -18,6 +18,8 @@ from ridgefill_cpp.fit import (
     fit_ridge_maps,
     select_and_solve,
     solve_ridge,
+    window_lengths,
+    window_plan,
 )
 from ridgefill_cpp.mapfile import read_map_file, write_map_file
 
@@ -121,6 +123,57 @@ def test_fit_every_architecture(tiny_models, arch, tmp_path):
     assert back.meta.architecture == arch and back.meta.objective == "raw"
     for il in back.meta.layers:
         assert np.array_equal(back.a[il], res.maps.a[il]) and np.array_equal(back.b[il], res.maps.b[il])
+
+
+def test_window_plan_one_length_is_the_plain_cut():
+    plan = window_plan(1000, [128], 1, 3)
+    assert [(w.start, w.n_tokens) for w in plan] == [(127 * i, 127) for i in range(7)]
+    assert [i for i, w in enumerate(plan) if w.heldout] == [2, 5]
+    assert [w.heldout for w in window_plan(300, [128], 1, 10)] == [False, True]  # fewer: the last one
+
+
+def test_window_plan_mixed_lengths():
+    plan = window_plan(30_000, window_lengths((4096, 512)), 1, 10)
+    short, long = [w for w in plan if w.n_tokens == 511], [w for w in plan if w.n_tokens == 4095]
+    assert len(short) == 29 and len(long) == 3 and len(plan) == 32  # an equal share of 15,000 tokens each
+    # consecutive, non-overlapping slices of the tokens, within the budget
+    assert [w.start for w in plan] == list(np.cumsum([0] + [w.n_tokens for w in plan[:-1]]))
+    assert plan[-1].start + plan[-1].n_tokens <= 30_000
+    # each length spread over the text, and held out on its own: every 10th short window, the last long one
+    assert [i for i, w in enumerate(plan) if w.n_tokens == 4095] == [5, 16, 26]
+    assert [w.heldout for w in long] == [False, False, True]
+    assert [i for i, w in enumerate(short) if w.heldout] == [9, 19]
+    assert [w.n_tokens for w in window_plan(5000, [512, 4096], 1, 10)] == [511] * 4  # no room for a long one
+    with pytest.raises(FitError, match="distinct"):
+        window_lengths((512, 512))
+
+
+def test_mixed_length_windows_on_a_tiny_model(tiny_models, tiny_fit, tmp_path, cli):
+    path, single = tiny_fit
+    res = fit_ridge_maps(path, corpus.default_documents("calibration"),
+                         FitOptions(n_tokens=6000, ctx=(64, 256), split=3), source="test")
+    m = res.maps.meta
+    plan = window_plan(6000, (64, 256), 1, 10)  # the tiny model adds BOS
+    assert res.n_windows == len(plan) == 47 + 11
+    assert (m.calib_ctx, m.calib_ctx_lengths, m.calib_windows) == (256, [64, 256], "64+256")
+    assert m.calib_n_tokens == sum(w.n_tokens for w in plan)
+    assert m.calib_n_rows == sum(w.n_tokens + 1 - 4 for w in plan if not w.heldout)
+    assert all(r < i for r, i in zip(m.rel_err_median, m.identity_rel_err_median))
+    assert not any(np.array_equal(res.maps.a[il], single.maps.a[il]) for il in m.layers)
+    back = read_map_file(write_map_file(tmp_path / "mixed.gguf", res.maps, dtype="f32")).meta
+    assert (back.calib_ctx, back.calib_ctx_lengths) == (256, [64, 256])
+    assert read_map_file(write_map_file(tmp_path / "one.gguf", single.maps, dtype="f32")).meta.calib_ctx_lengths == []
+    # the CLI: --ctx takes several lengths, info shows them; bad lists are refused before any work
+    out = tmp_path / "cli.gguf"
+    r = cli("fit", path, "--tokens", 3000, "--ctx", "64,128", "--split", 3, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "windows of 64+128" in " ".join(r.output.split()) and "64+128" in cli("info", out).output
+    for bad, msg in (("64,64", "distinct"), ("4,128", "at least 8"), ("64,x", "comma-separated integers")):
+        r = cli("fit", path, "--ctx", bad, "-o", tmp_path / "bad.gguf")
+        assert r.exit_code != 0 and msg in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "bad.gguf").exists()
+    with pytest.raises(FitError, match=r"too little calibration text: \d+ tokens make \d+ window\(s\) of 64, 0 window"):
+        fit_ridge_maps(path, corpus.default_documents("calibration"), FitOptions(n_tokens=1500, ctx=(64, 1024)))
 
 
 def test_too_little_text_says_how_much_is_needed(tiny_models, tmp_path):
