@@ -628,6 +628,7 @@ def eval_cmd(
     exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=_tuned("Share of the prefix rows the selector keeps exact", "exact_fraction", first=True)),
     selector: Optional[str] = typer.Option(None, "--selector", help=_tuned(f"Exact-row selector of the fill variants: {_SELECTORS} (protected and attention+protected optionally :CLASS+CLASS of {', '.join(settings.TOKEN_CLASSES)})", "selector", first=True)),
     selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,attention@16,attention@1); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
+    queries: Optional[str] = typer.Option(None, "--queries", help=f"More query-row counts of the attention and probe selectors to compare, comma-separated (e.g. 16,32; the default is the last {settings.N_QUERIES} prompt rows, capped at the tail); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
     docs: Optional[int] = typer.Option(None, "--docs", min=0, help=f"Documents per length, 0 or at least 2; 0: retrieval only, no ΔNLL (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
     key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default: the first map file's tuned c_K, else no such variant)."),
@@ -657,6 +658,7 @@ def eval_cmd(
     _check_output_dir(out_dir, "--out")
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads, codes=codes,
               selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
+              queries=tuple(_number_list(queries, "--queries", int)) if queries else (),
               **_given(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale,
                        depths=depths and tuple(_number_list(depths, "--depths", float)),
                        names_per_depth=retrieval_prompts))

@@ -75,6 +75,8 @@ class EvalOptions:
     key_rescale: int = settings.KEY_RESCALE  # > 0: also the variant "ridge + key rescale" (c_K rows; issue #8)
     selectors: tuple[str, ...] = ()  # more selector variants of ridge at the first split ("probe",
                                      #   "protected", "protected:digits+rare", ...; settings.parse_selector)
+    queries: tuple[int, ...] = ()    # more query-row counts of the attention and probe selectors
+                                     #   (n_queries), each a variant of ridge at the first split
 
     @classmethod
     def quick(cls, **kw) -> "EvalOptions":
@@ -91,6 +93,11 @@ class EvalOptions:
             settings.check(name, getattr(self, name))
         if len(set(self.selectors)) != len(self.selectors):
             raise ValueError(f"a selector variant is listed twice: {', '.join(self.selectors)}")
+        for q in self.queries:
+            settings.check("n_queries", q, label="query rows")
+        if len(set(self.queries)) != len(self.queries) or settings.N_QUERIES in self.queries:
+            raise ValueError(f"query rows {', '.join(map(str, self.queries))}: each once, and not the "
+                             f"default {settings.N_QUERIES} (plain ridge)")
         if not (isinstance(self.n_docs, int) and (self.n_docs == 0 or self.n_docs >= 2)):
             raise ValueError(f"documents per length {self.n_docs!r}: 0 (retrieval only) or an integer >= 2")
         if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
@@ -113,6 +120,11 @@ class EvalOptions:
 def lever_name(spec: str) -> str:
     """The variant / retrieval-condition name of ridge with selector ``spec``."""
     return f"ridge, {spec} selector"
+
+
+def queries_name(n_queries: int) -> str:
+    """The variant / retrieval-condition name of ridge whose selector scores ``n_queries`` query rows."""
+    return f"ridge, {n_queries} query rows"
 
 
 @dataclass
@@ -352,8 +364,9 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     if options.key_rescale > 0:
         fills["ridge + key rescale"] = options.ridgefill(maps[0], S0, key_rescale=options.key_rescale)
     fills.update({lever_name(x): options.ridgefill(maps[0], S0, x) for x in options.selectors})
+    fills.update({queries_name(q): options.ridgefill(maps[0], S0, n_queries=q) for q in options.queries})
     levers = (list(compared) + (["ridge + key rescale"] if options.key_rescale > 0 else [])
-              + [lever_name(x) for x in options.selectors])
+              + [lever_name(x) for x in options.selectors] + [queries_name(q) for q in options.queries])
     splices = {"ridge, exact K": options.ridgefill(maps[0], S0, splice="K"),
                "ridge, exact V": options.ridgefill(maps[0], S0, splice="V")} if options.splice else {}
     variants = list(fills) + list(splices) + (["ridge, exact state"] if options.splice and rec_layers else [])
@@ -500,7 +513,7 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int,
     ``options.selector`` when it gives one, e.g. ``attention@1``), ridge with each map file of
     ``compared`` (variant name -> path) and the attention selector, ridge with the key rescale
     (``options.key_rescale`` > 0) and the attention selector, then each lever selector of
-    ``options.selectors`` with ridge."""
+    ``options.selectors`` with ridge, then ridge with each query-row count of ``options.queries``."""
     span = settings.parse_selector(options.selector).get("span")
     attention = "attention" if span is None else f"attention@{span}"
     conditions = {"exact": None}
@@ -514,6 +527,8 @@ def _retrieval_conditions(options: EvalOptions, maps_path, split: int,
             maps_path, split, attention, key_rescale=options.key_rescale)
     for spec in options.selectors:
         conditions.setdefault(lever_name(spec), options.ridgefill(maps_path, split, spec))
+    for q in options.queries:
+        conditions[queries_name(q)] = options.ridgefill(maps_path, split, n_queries=q)
     return conditions
 
 

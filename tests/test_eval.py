@@ -86,7 +86,7 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
     metric and document, and retrieval answers equal exact's (three codes a prompt here)."""
     res = evaluate(tiny_models["llama"], [tiny_maps[0]],
                    EvalOptions.quick(min_prompt=10**6, n_docs=3, splice=False, n_threads=1, key_rescale=8,
-                                     selectors=("probe", "protected", "attention@8"), codes=3,
+                                     selectors=("probe", "protected", "attention@8"), queries=(16,), codes=3,
                                      depths=(0.2, 0.5, 0.9), names_per_depth=2))
     for v, row in res.paired["1024"].items():
         assert row["novel"]["estimate"] == row["novel"]["low"] == row["novel"]["high"] == 0.0, v
@@ -103,7 +103,8 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
     n_exact = sum(res.retrieval["1024"]["exact"]["correct"])
     assert all(v["kept"] == [n_exact, n_exact] and len(v["answers"]) == 6 for v in res.retrieval["1024"].values())
     assert list(res.retrieval["1024"]["exact"]["by_depth"]) == ["0.2", "0.5", "0.9"]
-    assert "ridge, attention@8 selector" in res.retrieval["1024"]
+    assert "ridge, attention@8 selector" in res.retrieval["1024"] and "ridge, 16 query rows" in res.retrieval["1024"]
+    assert "ridge, 16 query rows" in res.paired["1024"]
     write_report(res, tmp_path / "r", 1.0)
     md = (tmp_path / "r" / "report.md").read_text()
     assert "3 codes of different names per prompt" in md and "| distractor answers |" in md and "| accuracy | kept |" in md
@@ -193,6 +194,10 @@ def test_retrieval_only(tiny_models, tiny_maps, cli, tmp_path):
     assert "filled-region" in r.output and "attention@4" in r.output  # the console table
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--quick", "--docs", "1", "--out", tmp_path / "x")
     assert r.exit_code == 1 and "0 (retrieval only) or an integer >= 2" in r.output
+    for bad, why in (("8,8", "each once"), ("64", "not the default 64"), ("0", "query rows")):
+        r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--quick", "--docs", "0", "--queries", bad,
+                "--out", tmp_path / "x")
+        assert r.exit_code == 1 and why in r.output, (bad, r.output)
 
 
 def test_compare_maps(tiny_models, tiny_maps, cli, tmp_path):
