@@ -119,19 +119,27 @@ std::vector<int32_t> llama_ridgefill_protected_rows(const std::vector<llama_toke
 std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_input & in) {
     const int32_t k = llama_ridgefill_n_selected(in.n_prefix, in.fraction);
 
-    // the first k distinct rows of the lists, in turn
+    // the first k distinct rows of the lists, in turn; a list adds at most n_max rows
     std::vector<char>      chosen(std::max(in.n_prefix, 0), 0);
     std::vector<llama_pos> exact;
-    auto take = [&](const std::vector<int32_t> & rows) {
-        for (size_t i = 0; i < rows.size() && (int32_t) exact.size() < k; ++i) {
+    auto take = [&](const std::vector<int32_t> & rows, int32_t n_max) {
+        const int32_t end = (int32_t) std::min<int64_t>(k, (int64_t) exact.size() + n_max);
+        for (size_t i = 0; i < rows.size() && (int32_t) exact.size() < end; ++i) {
             if (!chosen[rows[i]]) {
                 chosen[rows[i]] = 1;
                 exact.push_back(in.pos0 + rows[i]);
             }
         }
     };
-    auto by_score = [&]() { return llama_ridgefill_rows_by_score(in.scores, in.n_prefix, in.span); };
-    auto protect  = [&]() { return llama_ridgefill_protected_rows(in.tokens, in.pos0, in.n_prefix, in.classes, in.piece); };
+    // by score: with a span, LLAMA_RIDGEFILL_SPAN_SHARE of the k rows as whole spans, then single rows
+    auto by_score = [&]() {
+        if (in.span > 1) {
+            take(llama_ridgefill_rows_by_score(in.scores, in.n_prefix, in.span),
+                 llama_ridgefill_n_selected(k, LLAMA_RIDGEFILL_SPAN_SHARE));
+        }
+        take(llama_ridgefill_rows_by_score(in.scores, in.n_prefix, 1), k);
+    };
+    auto protect = [&]() { take(llama_ridgefill_protected_rows(in.tokens, in.pos0, in.n_prefix, in.classes, in.piece), k); };
 
     switch (in.selector) {
         case LLAMA_RIDGEFILL_SELECTOR_NONE:
@@ -139,16 +147,16 @@ std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_
         case LLAMA_RIDGEFILL_SELECTOR_ATTENTION:
         case LLAMA_RIDGEFILL_SELECTOR_PROBE:
             if (in.has_scores) {
-                take(by_score());
+                by_score();
             }
             break;
         case LLAMA_RIDGEFILL_SELECTOR_PROTECTED:
-            take(protect());
+            protect();
             break;
         case LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED:
-            take(protect());
+            protect();
             if (in.has_scores) {
-                take(by_score());
+                by_score();
             }
             break;
         default:

@@ -51,6 +51,8 @@ struct llama_ridgefill_select_input {
     llama_ridgefill_piece_fn piece;  // protected selectors
 };
 
-// the exact prefix rows, as ascending positions: the first ceil(fraction * n_prefix) distinct rows
-// of the selector's lists, in turn (attention+protected: the protected rows, then by score)
+// the exact prefix rows, as ascending positions: the first k = ceil(fraction * n_prefix) distinct
+// rows of the selector's lists, in turn (attention+protected: the protected rows, then by score). By
+// score with span > 1: rows by span add at most ceil(LLAMA_RIDGEFILL_SPAN_SHARE * k) rows, then
+// rows by their own score (span 1) fill the rest
 std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_input & in);

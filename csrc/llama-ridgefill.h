@@ -112,6 +112,10 @@ extern "C" {
     // the longest span of the attention and probe selectors (llama_ridgefill_params.span)
     #define LLAMA_RIDGEFILL_MAX_SPAN 4096
 
+    // span > 1: the share of a scored selector's exact rows that come as whole spans (the spans of the
+    // top-scoring rows, in score order); the rest are the top-scoring single rows not yet taken
+    #define LLAMA_RIDGEFILL_SPAN_SHARE 0.75
+
     // diagnostics (the splice test of docs/design.md §9): filled rows keep the K and/or V already in their
     // cells instead of writing the fill's. With a cache holding the exact prefill of the same prompt in
     // the same cells (llama_memory_clear(mem, false) between the two prefills), this replaces the

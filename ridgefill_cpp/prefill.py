@@ -55,9 +55,10 @@ class RidgeFill:
     ``"digits"``, ``"rare"`` = once in the prompt, ``"line_start"``; no attention pass),
     ``"attention+protected"`` (the protected rows, then the attention selector's), ``"none"``, or a
     list of absolute positions that stay exact.
-    ``span`` (``attention``, ``attention+protected``, ``probe``): rows are taken by the highest
-    score within the span of this many rows around them, so the rows around each top-scoring row
-    (the name before a fact, the fact's other tokens) stay exact together; 1: single rows.
+    ``span`` (``attention``, ``attention+protected``, ``probe``): three quarters of the exact rows
+    are taken by the highest score within the span of this many rows around them, so the rows
+    around each top-scoring row (the name before a fact, the fact's other tokens) stay exact
+    together, and the rest are the top-scoring single rows; 1: single rows.
     ``value_rescale``: c, the tail rows the per-head value scale is measured on (0: off).
     ``key_rescale``: c_K, the tail rows a per-head key scale is measured on, the key analogue of the
     value scale (0: off, the built-in default; ``tune --key-rescales`` can choose it).

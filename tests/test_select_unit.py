@@ -177,21 +177,24 @@ def test_attention_without_a_selector_layer_and_embedding_rows(select_bin):
 
 
 def test_spans_keep_the_rows_around_each_peak(select_bin):
-    """With span w, the w rows around each top-scoring row come whole, peaks in score order, and a
-    span stops at the prefix's ends; without it, the single top rows."""
+    """With span w, the w rows around each top-scoring row come whole, peaks in score order, a span
+    stops at the prefix's ends, and spans give at most ceil(SPAN_SHARE · k) of the k rows: the
+    top-scoring single rows give the rest. Without a span, the single top rows."""
     texts, control = ["x"], [False]
     scores = [0.0] * 100
     scores[40], scores[70], scores[1] = 9.0, 5.0, 3.0
     before, after = F.span_extent(8)
-    assert (before, after) == (3, 4)
+    assert (before, after) == (3, 4) and F.SPAN_SHARE == 0.75
     run = lambda fraction, span: _run(select_bin, "attention", fraction, 100, scores, [0] * 100, texts, control,  # noqa: E731
                                       pos0=10, span=span)
-    assert run(0.03, 1) == [11, 50, 80]
-    assert run(0.08, 8) == list(range(10 + 37, 10 + 45))                      # the first peak's span only
-    assert run(0.16, 8) == list(range(10 + 37, 10 + 45)) + list(range(10 + 67, 10 + 75))
-    # the third span is cut at row 0 (rows 0..5); with one row fewer, its peak first, then the earlier rows
-    assert run(0.22, 8) == list(range(10, 10 + 6)) + list(range(10 + 37, 10 + 45)) + list(range(10 + 67, 10 + 75))
-    assert run(0.21, 8) == list(range(10, 10 + 5)) + list(range(10 + 37, 10 + 45)) + list(range(10 + 67, 10 + 75))
+    at = lambda rows: [10 + r for r in sorted(rows)]  # noqa: E731
+    assert run(0.03, 1) == at([1, 40, 70])
+    # k = 8: 6 rows of the first peak's span (the peak, then its earliest rows), then rows 70 and 1
+    assert run(0.08, 8) == at([37, 38, 39, 40, 41, 42, 70, 1])
+    # k = 16: the first span whole and 4 rows of the second (12), then row 1 and the earliest zero rows
+    assert run(0.16, 8) == at([*range(37, 45), 70, 67, 68, 69, 1, 0, 2, 3])
+    # k = 32: 24 rows of spans: 37..44, 67..74, and the third, cut at row 0 (rows 0..5), then the rest
+    assert run(0.32, 8) == at([*range(37, 45), *range(67, 75), *range(0, 6), *range(6, 16)])
     assert run(1.0, 4096) == list(range(10, 110))
 
 

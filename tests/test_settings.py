@@ -14,6 +14,7 @@ from prefill_helpers import ctx_kwargs, last_logits
 
 import llama_cpp  # noqa: E402  (after ridgefill_cpp, which prefill_helpers imports first)
 from ridgefill_cpp import Llama, RidgeFill, settings
+from ridgefill_cpp.oracle import fill as F
 
 HEADER = Path(__file__).resolve().parent.parent / "csrc" / "llama-ridgefill.h"
 N_TOKENS, TAIL, SPLIT = 160, 16, 3
@@ -41,6 +42,9 @@ def test_the_tables_carry_the_c_enum_values():
         settings.FILL_CHUNK)
     assert p.selector == settings.SELECTORS[settings.SELECTOR]
     assert p.protected_classes == settings.protected_mask(settings.PROTECTED)
+    # the constants of the span rule: the header's, the settings' and the oracle's
+    defines = {m.group(1): float(m.group(2)) for m in re.finditer(r"#define LLAMA_RIDGEFILL_(\w+)\s+([\d.]+)", HEADER.read_text())}
+    assert (defines["MAX_SPAN"], defines["SPAN_SHARE"]) == (settings.MAX_SPAN, settings.SPAN_SHARE) == (4096, F.SPAN_SHARE)
 
 
 def test_selector_grammar_and_checks():

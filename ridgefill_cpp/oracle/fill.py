@@ -45,7 +45,8 @@ Choices where docs/design.md §4/§5 are silent (the C++ implementation follows 
   otherwise, as POP does.
 * **Selector rounding.** ``select_exact_rows`` keeps ``ceil(fraction · prefix)`` rows (with a 1e-9
   tolerance, so 0.1 · 30 is 3 and not 4): any fraction > 0 of a non-empty prefix keeps at least
-  one row, 0 keeps none, 1 keeps all. Ties in score go to the earlier position.
+  one row, 0 keeps none, 1 keeps all. Ties in score go to the earlier position. With a span,
+  ceil(SPAN_SHARE · k) rows come as whole spans around the top-scoring rows, the rest as single rows.
 * **Selector layer** (:func:`default_selector_layer`): the last full-attention layer below S, i.e.
   S-1 for llama and qwen3; gemma3 skips sliding-window layers (they cannot see rows further back
   than the window) and qwen35 skips Gated DeltaNet layers (they have no attention probabilities).
@@ -78,6 +79,7 @@ DEFAULT_VALUE_RESCALE = 512
 DEFAULT_N_QUERIES = 64
 DEFAULT_FRACTION = 0.10
 DEFAULT_SPAN = 16
+SPAN_SHARE = 0.75  # span > 1: the share of the exact rows taken as whole spans, the rest single rows
 
 
 @dataclass
@@ -376,7 +378,7 @@ def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, map
     """The `probe` selector (docs/design.md §5) end to end. Probe pass: every prefix row filled (value and
     key scales measured in this pass), the tail runs the late layers against that cache, and the
     last min(n_queries, T) rows' attention at each full-attention late layer scores the rows. The
-    top ceil(fraction · prefix) prefix rows are selected (by ``span``: :func:`rows_by_score`); they and the tail then run the late layers
+    top ceil(fraction · prefix) prefix rows are selected (with ``span``: :func:`ranked_rows`); they and the tail then run the late layers
     exactly over the probe's filled rows (their cells are overwritten by the exact K/V). No rows
     selected: the probe pass is the result. ``n_probe`` = T when the second pass ran.
     """
@@ -478,19 +480,11 @@ def select_attention_protected_rows(scores: torch.Tensor, tokens: Sequence[int],
                                     control: Sequence[bool], prefix_len: int, fraction: float = DEFAULT_FRACTION,
                                     classes: int = CLASS_SINK | CLASS_DIGIT, span: int = DEFAULT_SPAN) -> list[int]:
     """The `attention+protected` selector: the protected rows (:func:`select_protected_rows`, at most
-    ceil(fraction · prefix_len)), then the other prefix rows by score (:func:`rows_by_score` with
+    ceil(fraction · prefix_len)), then the other prefix rows by score (:func:`ranked_rows` with
     ``span``; ties: the earlier row) up to ceil(fraction · prefix_len) in all."""
     k = n_selected(prefix_len, fraction)
     chosen = select_protected_rows(tokens, texts, control, prefix_len, fraction, classes)
-    order = rows_by_score(scores, prefix_len, span)
-    have = set(chosen)
-    for i in order:
-        if len(chosen) >= k:
-            break
-        if i not in have:
-            chosen.append(i)
-            have.add(i)
-    return sorted(chosen)
+    return sorted(chosen + ranked_rows(scores, prefix_len, k, span, taken=chosen))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -587,24 +581,44 @@ def rows_by_score(scores: torch.Tensor, prefix_len: int, span: int = 1) -> list[
     return sorted(range(prefix_len), key=lambda j: (-ranks[j], -own[j], j))
 
 
+def ranked_rows(scores: torch.Tensor, prefix_len: int, k: int, span: int = DEFAULT_SPAN,
+                taken: Sequence[int] = ()) -> list[int]:
+    """The rows a scored selector adds to ``taken`` until there are ``k``: with ``span`` > 1, rows by
+    span (:func:`rows_by_score`) add at most ceil(SPAN_SHARE · k), then rows by their own score the
+    rest (span 1: by own score alone). Rows already in ``taken`` are skipped."""
+    have, out = set(taken), []
+    lists = ([(rows_by_score(scores, prefix_len, span), n_selected(k, SPAN_SHARE))] if span > 1 else []) + \
+        [(rows_by_score(scores, prefix_len, 1), k)]
+    for order, n_max in lists:
+        end = min(k, len(have) + n_max)
+        for i in order:
+            if len(have) >= end:
+                break
+            if i not in have:
+                have.add(i)
+                out.append(i)
+    return out
+
+
 def select_exact_rows(scores: torch.Tensor, prefix_len: int, fraction: float = DEFAULT_FRACTION,
                       span: int = DEFAULT_SPAN) -> list[int]:
-    """The top :func:`n_selected` (ceil(fraction · prefix_len)) prefix rows by score, as sorted
+    """The top :func:`n_selected` (k = ceil(fraction · prefix_len)) prefix rows by score, as sorted
     positions. Only rows 0..prefix_len-1 compete; ties go to the earlier position. ``span`` > 1:
-    rows rank by the highest score within the span around them (:func:`rows_by_score`), so the
-    span around each top-scoring row is kept whole."""
+    ceil(SPAN_SHARE · k) of them by the highest score within the span around them
+    (:func:`rows_by_score`), so the span around each top-scoring row is kept whole, and the rest
+    by their own score (:func:`ranked_rows`)."""
     k = n_selected(prefix_len, fraction)
     if k == 0:
         return []
-    return sorted(rows_by_score(scores, prefix_len, span)[:k])
+    return sorted(ranked_rows(scores, prefix_len, k, span))
 
 
 def select_attention_rows(oracle: Oracle, tokens: Sequence[int], *, split: int, tail: int,
                           fraction: float = DEFAULT_FRACTION, n_queries: int = DEFAULT_N_QUERIES,
                           layer: int | None = None, span: int = DEFAULT_SPAN) -> list[int]:
     """The `attention` selector end to end: score at `layer` (default
-    :func:`default_selector_layer`), keep the top ceil(fraction · prefix) prefix rows (by span:
-    :func:`rows_by_score`)."""
+    :func:`default_selector_layer`), keep the top ceil(fraction · prefix) prefix rows (with a span:
+    :func:`ranked_rows`)."""
     layer = default_selector_layer(oracle, split) if layer is None else layer
     prefix_len = max(0, len(tokens) - tail)
     if prefix_len == 0 or n_selected(prefix_len, fraction) == 0:
