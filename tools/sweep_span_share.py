@@ -3,8 +3,8 @@
 The attention selector with ``span`` > 1 takes ceil(SPAN_SHARE · k) of its k exact rows as the spans
 around the top-scoring rows, then the top-scoring single rows (csrc/llama-ridgefill-select.cpp). This
 tool measures other shares without rebuilding: each prompt is prefilled once with single rows to get
-libllama's selector scores, each share then picks its rows from those scores (the same rule, in
-Python) and the prompt is prefilled again with them as explicit positions
+libllama's selector scores, each share then picks its rows from those scores (the same rule, the
+oracle's ``ranked_rows``) and the prompt is prefilled again with them as explicit positions
 (``RidgeFill(selector=[...])``). Share 1 is every row in spans, share 0 single rows alone. A check
 on every prompt: the library's own span rule picks the rows of share ``settings.SPAN_SHARE``.
 
@@ -21,10 +21,10 @@ answers, those the share answers too.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import numpy as np
+import torch
 
 import ridgefill_cpp  # noqa: F401  (loads the patched libraries first)
 from ridgefill_cpp import RidgeFill, metrics, models, settings
@@ -32,29 +32,12 @@ from ridgefill_cpp.bench import greedy_continuation
 from ridgefill_cpp.evaluate import (NAMES, EvalOptions, build_documents, default_texts, distractor_depths,
                                     open_context, plant_facts, retrieval_question, text_tokenizer, timed_prefill)
 from ridgefill_cpp.fit import bos_prefix
-
-
-def span_order(scores: np.ndarray, span: int) -> list[int]:
-    """Rows by the highest score within the span around them, then their own score, then earlier."""
-    before = (span - 1) // 2
-    after = span - 1 - before
-    rank = np.array([scores[max(0, j - after):j + before + 1].max() for j in range(len(scores))])
-    return sorted(range(len(scores)), key=lambda j: (-rank[j], -scores[j], j))
+from ridgefill_cpp.oracle import fill as F
 
 
 def pick(scores: np.ndarray, k: int, share: float, span: int) -> list[int]:
-    """k rows: spans add at most ceil(share · k), single rows by score the rest."""
-    chosen: list[int] = []
-    have: set[int] = set()
-    for order, n_max in ((span_order(scores, span), math.ceil(share * k - 1e-9)), (span_order(scores, 1), k)):
-        end = min(k, len(chosen) + n_max)
-        for j in order:
-            if len(chosen) >= end:
-                break
-            if j not in have:
-                have.add(j)
-                chosen.append(j)
-    return sorted(chosen)
+    """k rows: spans add at most ceil(share · k), single rows by score the rest (the oracle's rule)."""
+    return sorted(F.ranked_rows(torch.from_numpy(scores), len(scores), k, span, share=share))
 
 
 def main() -> None:
@@ -75,7 +58,7 @@ def main() -> None:
     llm = open_context(path, n + 16, settings.N_BATCH, a.threads, rf(span=1))
     bos, tok = bos_prefix(llm), text_tokenizer(llm)
     N = n - T
-    k = math.ceil(frac * N - 1e-9)
+    k = F.n_selected(N, frac)
 
     def scores_then_check(prompt: list[int]) -> np.ndarray:
         """libllama's scores (a single-row prefill), and the check of the library's span rule."""

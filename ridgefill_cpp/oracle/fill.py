@@ -582,12 +582,13 @@ def rows_by_score(scores: torch.Tensor, prefix_len: int, span: int = 1) -> list[
 
 
 def ranked_rows(scores: torch.Tensor, prefix_len: int, k: int, span: int = DEFAULT_SPAN,
-                taken: Sequence[int] = ()) -> list[int]:
+                taken: Sequence[int] = (), share: float = SPAN_SHARE) -> list[int]:
     """The rows a scored selector adds to ``taken`` until there are ``k``: with ``span`` > 1, rows by
-    span (:func:`rows_by_score`) add at most ceil(SPAN_SHARE · k), then rows by their own score the
-    rest (span 1: by own score alone). Rows already in ``taken`` are skipped."""
+    span (:func:`rows_by_score`) add at most ceil(share · k) (the library's share: SPAN_SHARE), then
+    rows by their own score the rest (span 1: by own score alone). Rows already in ``taken`` are
+    skipped."""
     have, out = set(taken), []
-    lists = ([(rows_by_score(scores, prefix_len, span), n_selected(k, SPAN_SHARE))] if span > 1 else []) + \
+    lists = ([(rows_by_score(scores, prefix_len, span), n_selected(k, share))] if span > 1 else []) + \
         [(rows_by_score(scores, prefix_len, 1), k)]
     for order, n_max in lists:
         end = min(k, len(have) + n_max)
