@@ -60,6 +60,50 @@ std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & sc
     return order;
 }
 
+std::vector<float> llama_ridgefill_recency_corrected(const std::vector<float> & scores, int32_t n_prefix) {
+    GGML_ASSERT((int32_t) scores.size() >= n_prefix);
+    const int32_t n = std::max(n_prefix, 0);
+
+    auto log_d = [n](int32_t j) { return std::log((double) (n - j)); };
+    auto used  = [&](int32_t j) { return j >= LLAMA_RIDGEFILL_N_SINK && scores[j] > 0.0f; };
+
+    // least squares of log score on log distance, centred (two passes)
+    double  mx = 0.0;
+    double  my = 0.0;
+    int64_t m  = 0;
+    for (int32_t j = 0; j < n; ++j) {
+        if (used(j)) {
+            mx += log_d(j);
+            my += std::log((double) scores[j]);
+            m++;
+        }
+    }
+    double b = 0.0;
+    if (m >= 2) {
+        mx /= m;
+        my /= m;
+        double sxx = 0.0;
+        double sxy = 0.0;
+        for (int32_t j = 0; j < n; ++j) {
+            if (used(j)) {
+                const double x = log_d(j) - mx;
+                sxx += x*x;
+                sxy += x*(std::log((double) scores[j]) - my);
+            }
+        }
+        if (sxx > 0.0) {
+            b = sxy/sxx;
+        }
+    }
+    b = std::min(0.0, std::max(-LLAMA_RIDGEFILL_RECENCY_MAX_SLOPE, b));
+
+    std::vector<float> out(n);
+    for (int32_t j = 0; j < n; ++j) {
+        out[j] = (float) (scores[j]*std::exp(-b*log_d(j)));
+    }
+    return out;
+}
+
 std::vector<int32_t> llama_ridgefill_protected_rows(const std::vector<llama_token> & tokens, llama_pos pos0,
         int32_t n_prefix, int32_t classes, const llama_ridgefill_piece_fn & piece) {
     const int32_t N = (int32_t) tokens.size();
@@ -131,11 +175,20 @@ std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_
             }
         }
     };
-    // by score: with a span, LLAMA_RIDGEFILL_SPAN_SHARE of the k rows as whole spans, then single rows
-    auto by_score = [&]() {
+    // by score: the attention selectors' LLAMA_RIDGEFILL_RECENCY_SHARE of the k rows by the corrected
+    // score (as spans); with a span, whole spans up to LLAMA_RIDGEFILL_SPAN_SHARE of them in all
+    // (those included); then single rows
+    auto by_score = [&](bool recency) {
+        int32_t n_recency = 0;
+        if (recency) {
+            const size_t n_before = exact.size();
+            take(llama_ridgefill_rows_by_score(llama_ridgefill_recency_corrected(in.scores, in.n_prefix), in.n_prefix, in.span),
+                 llama_ridgefill_n_selected(k, LLAMA_RIDGEFILL_RECENCY_SHARE));
+            n_recency = (int32_t) (exact.size() - n_before);
+        }
         if (in.span > 1) {
             take(llama_ridgefill_rows_by_score(in.scores, in.n_prefix, in.span),
-                 llama_ridgefill_n_selected(k, LLAMA_RIDGEFILL_SPAN_SHARE));
+                 std::max(0, llama_ridgefill_n_selected(k, LLAMA_RIDGEFILL_SPAN_SHARE) - n_recency));
         }
         take(llama_ridgefill_rows_by_score(in.scores, in.n_prefix, 1), k);
     };
@@ -147,7 +200,7 @@ std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_
         case LLAMA_RIDGEFILL_SELECTOR_ATTENTION:
         case LLAMA_RIDGEFILL_SELECTOR_PROBE:
             if (in.has_scores) {
-                by_score();
+                by_score(in.selector == LLAMA_RIDGEFILL_SELECTOR_ATTENTION);
             }
             break;
         case LLAMA_RIDGEFILL_SELECTOR_PROTECTED:
@@ -156,7 +209,7 @@ std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_
         case LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED:
             protect();
             if (in.has_scores) {
-                by_score();
+                by_score(/*recency =*/ true);
             }
             break;
         default:

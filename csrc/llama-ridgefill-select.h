@@ -30,6 +30,13 @@ void llama_ridgefill_span_extent(int32_t span, int32_t * before, int32_t * after
 // top-scoring row comes whole (rows past the prefix's ends are not in it)
 std::vector<int32_t> llama_ridgefill_rows_by_score(const std::vector<float> & scores, int32_t n_prefix, int32_t span = 1);
 
+// the prefix rows' scores without their recency trend: score_j * d_j^-b, d_j = n_prefix - j the row's
+// distance from the end of the prefix and b the least-squares slope of log score on log d over the
+// rows after the sinks (j >= LLAMA_RIDGEFILL_N_SINK) with a score > 0, clamped to
+// [-LLAMA_RIDGEFILL_RECENCY_MAX_SLOPE, 0]: a row's score over what a row at its distance gets on
+// average, a power law fitted on the prompt's own scores. [n_prefix]
+std::vector<float> llama_ridgefill_recency_corrected(const std::vector<float> & scores, int32_t n_prefix);
+
 // prefix rows in a class of `classes` (enum llama_ridgefill_token_class bits): sink rows first, then
 // digits, then once-in-the-prompt tokens, then line starts; within a class rarer tokens (fewer
 // occurrences in the prompt) first, then the earlier row. tokens: the token of each planned row
@@ -53,6 +60,8 @@ struct llama_ridgefill_select_input {
 
 // the exact prefix rows, as ascending positions: the first k = ceil(fraction * n_prefix) distinct
 // rows of the selector's lists, in turn (attention+protected: the protected rows, then by score). By
-// score with span > 1: rows by span add at most ceil(LLAMA_RIDGEFILL_SPAN_SHARE * k) rows, then
-// rows by their own score (span 1) fill the rest
+// score: the attention selectors first take rows by span of the recency-corrected scores, at most
+// ceil(LLAMA_RIDGEFILL_RECENCY_SHARE * k) rows; with span > 1, rows by span of the scores add rows
+// until the two span lists have added ceil(LLAMA_RIDGEFILL_SPAN_SHARE * k); then rows by their own
+// score (span 1) fill the rest
 std::vector<llama_pos> llama_ridgefill_select_rows(const llama_ridgefill_select_input & in);

@@ -116,6 +116,16 @@ extern "C" {
     // top-scoring rows, in score order); the rest are the top-scoring single rows not yet taken
     #define LLAMA_RIDGEFILL_SPAN_SHARE 0.75
 
+    // the attention selectors: the share of the exact rows taken first by their recency-corrected
+    // score (llama_ridgefill_recency_corrected), as spans (part of LLAMA_RIDGEFILL_SPAN_SHARE), before
+    // the rows by score as measured. The query rows attend mostly to the rows just before them; this
+    // share goes to the rows that stand out against that trend (a fact far back that the question
+    // asks about)
+    #define LLAMA_RIDGEFILL_RECENCY_SHARE 0.25
+
+    // the steepest recency trend the correction removes: score ~ distance^-2
+    #define LLAMA_RIDGEFILL_RECENCY_MAX_SLOPE 2.0
+
     // diagnostics (the splice test of docs/design.md §9): filled rows keep the K and/or V already in their
     // cells instead of writing the fill's. With a cache holding the exact prefill of the same prompt in
     // the same cells (llama_memory_clear(mem, false) between the two prefills), this replaces the

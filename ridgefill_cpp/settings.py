@@ -41,6 +41,10 @@ SPAN = 16
 MAX_SPAN = 4096
 #: the share of the exact rows a span > 1 takes as whole spans (LLAMA_RIDGEFILL_SPAN_SHARE)
 SPAN_SHARE = 0.75
+#: the attention selectors: the share of the exact rows taken first by the recency-corrected score
+#: (LLAMA_RIDGEFILL_RECENCY_SHARE), the rows that stand out against the prompt's attention-by-distance
+#: trend (docs/selector-spans)
+RECENCY_SHARE = 0.25
 #: filled rows per fill step (0: n_ubatch)
 FILL_CHUNK = 0
 #: the protected selector's token classes (chosen from the eval: README, "Selectors")
@@ -281,7 +285,7 @@ def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -
 
 
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
-           "SPAN", "MAX_SPAN", "SPAN_SHARE", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
+           "SPAN", "MAX_SPAN", "SPAN_SHARE", "RECENCY_SHARE", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
            "BENCH_GREEDY_TOKENS", "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS",
            "TUNE_LENGTH", "TUNE_DOCS", "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
            "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",

@@ -22,6 +22,7 @@ from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.common import rms_norm
 from ridgefill_cpp.oracle.fill import (
+    RECENCY_MAX_SLOPE,
     ROLE_EXACT,
     ROLE_FILLED,
     ROLE_TAIL,
@@ -30,6 +31,7 @@ from ridgefill_cpp.oracle.fill import (
     fill_forward,
     key_scale,
     n_selected,
+    recency_corrected,
     select_attention_rows,
     select_exact_rows,
 )
@@ -352,6 +354,29 @@ def test_sliding_window_layers_cannot_select_far_rows(oracles, prompt):
     at_global = attention_scores(g, prompt, default_selector_layer(g, 6), n_queries=n_q)
     assert float(at_swa[:far].abs().max()) == 0.0 and float(at_swa[far:].min()) > 0
     assert float(at_global[:far].min()) > 0
+
+
+def test_recency_correction_removes_a_power_law():
+    """recency_corrected divides out the power law the scores follow in distance from the end of the
+    prefix: a prompt whose scores are exactly c·d^-1.5 comes out flat, a peak stays c times its
+    trend, the sinks are no part of the fit, slopes are clamped to [-RECENCY_MAX_SLOPE, 0]."""
+    n = 200
+    d = torch.arange(n, 0, -1, dtype=torch.float64)  # prefix_len - j
+    flat = recency_corrected((5.0 * d**-1.5).float(), n)
+    assert float(flat.max() / flat.min() - 1) < 1e-5 and abs(float(flat.mean()) - 5.0) < 1e-4
+    sc = 5.0 * d**-1.5
+    sc[:4] = 1e3  # sinks: not in the fit
+    assert torch.allclose(recency_corrected(sc, n)[4:], torch.full((n - 4,), 5.0, dtype=torch.float64))
+    assert float(recency_corrected(sc, n)[0]) == pytest.approx(1e3 * 200**1.5)
+    assert RECENCY_MAX_SLOPE == 2.0
+    steep = recency_corrected(d**-3, n)  # steeper than d^-2: only d^-2 of it is removed
+    assert torch.allclose(steep, d**-1)
+    rising = d**0.5  # scores that do not fall with distance are left as they are
+    assert torch.equal(recency_corrected(rising, n), rising)
+    zeros = torch.zeros(n, dtype=torch.float64)  # no scores to fit: unchanged
+    assert torch.equal(recency_corrected(zeros, n), zeros)
+    with_tail = torch.cat([5.0 * d**-1.5, torch.full((7,), 9.0, dtype=torch.float64)])  # tail rows: not scored
+    assert recency_corrected(with_tail, n).shape == (n,)
 
 
 def test_select_exact_rows_rounding_and_ties():

@@ -30,7 +30,7 @@ from ridgefill_cpp import _native as N
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.mapfile import read_map_file, write_map_file
 from ridgefill_cpp.oracle import load_oracle
-from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention, piece_texts,
+from ridgefill_cpp.oracle.fill import (RECENCY_SHARE, attention_scores, default_selector_layer, fill_forward, is_full_attention, piece_texts,
                                       probe_fill_forward, select_attention_protected_rows, select_exact_rows,
                                       select_protected_rows, span_extent)
 
@@ -182,13 +182,14 @@ def test_selector_spans_through_libllama(arch, selector, tiny_models, oracles, p
         llm.eval(prompt)
         st = llm.ridgefill_stats
         scores = torch.tensor(llm.ridgefill_scores(), dtype=torch.float32)
+        recency = 0.0 if selector == "probe" else RECENCY_SHARE  # the attention selectors' recency share
         if selector == "attention+protected":
             texts, control = _vocab(tiny_models[arch])
             want = select_attention_protected_rows(scores, prompt, texts, control, n_prefix, 0.10, span=span)
         else:
-            want = select_exact_rows(scores, n_prefix, 0.10, span)
+            want = select_exact_rows(scores, n_prefix, 0.10, span, recency=recency)
         assert st["exact_positions"] == want and len(want) == math.ceil(0.1 * n_prefix)
-        single = select_exact_rows(scores, n_prefix, 0.10, span=1)
+        single = select_exact_rows(scores, n_prefix, 0.10, span=1, recency=recency)
         assert want != single  # the span changed the choice
         if selector != "attention+protected":
             top = int(torch.argmax(scores[:n_prefix]))

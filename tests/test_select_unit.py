@@ -119,8 +119,8 @@ def _oracle(selector: str, fraction: float, n_prefix: int, scores, tokens, texts
     sc = torch.tensor(scores, dtype=torch.float32)
     if selector == "none":
         return []
-    if selector in ("attention", "probe"):
-        return F.select_exact_rows(sc, n_prefix, fraction, span)
+    if selector in ("attention", "probe"):  # the probe's scores get no recency correction
+        return F.select_exact_rows(sc, n_prefix, fraction, span, recency=F.RECENCY_SHARE if selector == "attention" else 0)
     if selector == "protected":  # no scores: the span does not apply
         return F.select_protected_rows(tokens, texts, control, n_prefix, fraction, classes)
     return F.select_attention_protected_rows(sc, tokens, texts, control, n_prefix, fraction, classes, span)
@@ -179,13 +179,14 @@ def test_attention_without_a_selector_layer_and_embedding_rows(select_bin):
 def test_spans_keep_the_rows_around_each_peak(select_bin):
     """With span w, the w rows around each top-scoring row come whole, peaks in score order, a span
     stops at the prefix's ends, and spans give at most ceil(SPAN_SHARE · k) of the k rows: the
-    top-scoring single rows give the rest. Without a span, the single top rows."""
+    top-scoring single rows give the rest. Without a span, the single top rows. (The probe's rule:
+    the attention selectors take RECENCY_SHARE of the rows first, test_recency_share_below.)"""
     texts, control = ["x"], [False]
     scores = [0.0] * 100
     scores[40], scores[70], scores[1] = 9.0, 5.0, 3.0
     before, after = F.span_extent(8)
     assert (before, after) == (3, 4) and F.SPAN_SHARE == 0.75
-    run = lambda fraction, span: _run(select_bin, "attention", fraction, 100, scores, [0] * 100, texts, control,  # noqa: E731
+    run = lambda fraction, span: _run(select_bin, "probe", fraction, 100, scores, [0] * 100, texts, control,  # noqa: E731
                                       pos0=10, span=span)
     at = lambda rows: [10 + r for r in sorted(rows)]  # noqa: E731
     assert run(0.03, 1) == at([1, 40, 70])
@@ -196,6 +197,34 @@ def test_spans_keep_the_rows_around_each_peak(select_bin):
     # k = 32: 24 rows of spans: 37..44, 67..74, and the third, cut at row 0 (rows 0..5), then the rest
     assert run(0.32, 8) == at([*range(37, 45), *range(67, 75), *range(0, 6), *range(6, 16)])
     assert run(1.0, 4096) == list(range(10, 110))
+
+
+def test_recency_share_below(select_bin):
+    """The attention selectors take ceil(RECENCY_SHARE · k) rows first by their recency-corrected
+    score: a row far back that stands out against the prompt's power-law trend is kept although
+    every row near the end scores higher; the probe's scores get no correction. Scores that do not
+    fall with distance are left as they are."""
+    texts, control = ["x"], [False]
+    n = 100
+    trend = [1.0 / (n - j) for j in range(n)]  # a query row's attention falls as 1/distance
+    scores = list(trend)
+    scores[20] = 3.0 * trend[20]  # 3x what a row at its distance gets, 0.0375: below the last 26 rows
+    assert F.RECENCY_SHARE == 0.25 and sorted(scores, reverse=True).index(scores[20]) == 26
+    run = lambda selector, sc, span=1, fraction=0.1: _run(select_bin, selector, fraction, n, sc, [0] * n,  # noqa: E731
+                                                          texts, control, span=span)
+    last = list(range(90, 100))
+    assert run("probe", scores) == last  # k = 10, the ten nearest rows
+    # ceil(0.25 · 10) = 3 by the corrected score: row 20, then two of the trend rows; 7 by score
+    got = run("attention", scores)
+    assert 20 in got and len(got) == 10 and len(set(got) & set(last)) >= 7
+    # with a span the whole fact comes: k = 40, 10 rows by corrected span, the span around row 20 first
+    before, after = F.span_extent(8)
+    got = run("attention", scores, span=8, fraction=0.4)
+    assert set(range(20 - before, 20 + after + 1)) <= set(got)
+    assert not set(range(20 - before, 20 + after + 1)) <= set(run("probe", scores, span=8, fraction=0.4))
+    # rising with distance: no correction, the attention rule is the probe's
+    rising = list(reversed(trend))
+    assert run("attention", rising) == run("probe", rising) == list(range(10))
 
 
 def test_sink_rows_are_positions_not_rows(select_bin):

@@ -42,9 +42,11 @@ def test_the_tables_carry_the_c_enum_values():
         settings.FILL_CHUNK)
     assert p.selector == settings.SELECTORS[settings.SELECTOR]
     assert p.protected_classes == settings.protected_mask(settings.PROTECTED)
-    # the constants of the span rule: the header's, the settings' and the oracle's
+    # the constants of the span and recency rules: the header's, the settings' and the oracle's
     defines = {m.group(1): float(m.group(2)) for m in re.finditer(r"#define LLAMA_RIDGEFILL_(\w+)\s+([\d.]+)", HEADER.read_text())}
     assert (defines["MAX_SPAN"], defines["SPAN_SHARE"]) == (settings.MAX_SPAN, settings.SPAN_SHARE) == (4096, F.SPAN_SHARE)
+    assert (defines["RECENCY_SHARE"], defines["RECENCY_MAX_SLOPE"]) == (settings.RECENCY_SHARE, F.RECENCY_MAX_SLOPE)
+    assert settings.RECENCY_SHARE == F.RECENCY_SHARE
 
 
 def test_selector_grammar_and_checks():

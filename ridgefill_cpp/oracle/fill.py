@@ -80,6 +80,8 @@ DEFAULT_N_QUERIES = 64
 DEFAULT_FRACTION = 0.10
 DEFAULT_SPAN = 16
 SPAN_SHARE = 0.75  # span > 1: the share of the exact rows taken as whole spans, the rest single rows
+RECENCY_SHARE = 0.25  # attention selectors: the share of the exact rows picked first by recency-corrected score
+RECENCY_MAX_SLOPE = 2.0  # the steepest recency trend recency_corrected removes: score ~ d^-2
 
 
 @dataclass
@@ -388,7 +390,7 @@ def probe_fill_forward(oracle: Oracle, tokens: Sequence[int], *, split: int, map
     if not probe.active:
         return probe
     prefix_len = len(tokens) - probe.tail
-    chosen = select_exact_rows(probe.probe_scores, prefix_len, fraction, span)
+    chosen = select_exact_rows(probe.probe_scores, prefix_len, fraction, span, recency=0.0)
     if not chosen:
         return probe
     out = fill_forward(oracle, tokens, split=split, maps=maps, tail=tail, exact_positions=chosen,
@@ -481,10 +483,10 @@ def select_attention_protected_rows(scores: torch.Tensor, tokens: Sequence[int],
                                     classes: int = CLASS_SINK | CLASS_DIGIT, span: int = DEFAULT_SPAN) -> list[int]:
     """The `attention+protected` selector: the protected rows (:func:`select_protected_rows`, at most
     ceil(fraction · prefix_len)), then the other prefix rows by score (:func:`ranked_rows` with
-    ``span``; ties: the earlier row) up to ceil(fraction · prefix_len) in all."""
+    ``span`` and RECENCY_SHARE; ties: the earlier row) up to ceil(fraction · prefix_len) in all."""
     k = n_selected(prefix_len, fraction)
     chosen = select_protected_rows(tokens, texts, control, prefix_len, fraction, classes)
-    return sorted(chosen + ranked_rows(scores, prefix_len, k, span, taken=chosen))
+    return sorted(chosen + ranked_rows(scores, prefix_len, k, span, taken=chosen, recency=RECENCY_SHARE))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -572,6 +574,27 @@ def span_ranks(scores: torch.Tensor, prefix_len: int, span: int = 1) -> torch.Te
     return torch.stack([sc[max(0, j - after):j + before + 1].max() for j in range(prefix_len)]) if prefix_len else sc
 
 
+def recency_corrected(scores: torch.Tensor, prefix_len: int, strength: float = 1.0) -> torch.Tensor:
+    """The prefix rows' attention scores without their recency trend: each row's score times
+    d^(-strength * b), d = prefix_len - j its distance from the end of the prefix and b the slope of
+    log score on log d, least squares over the rows after the sinks (j >= N_SINK) whose score is
+    > 0, clamped to [-RECENCY_MAX_SLOPE, 0] (a prompt whose scores do not fall with distance is left
+    as it is). Strength 1 ranks a row by its score over what a row at its distance gets on average
+    (a power law fitted on the prompt's own scores); 0 leaves the scores unchanged."""
+    sc = scores[:prefix_len].double()
+    j = torch.arange(prefix_len, dtype=torch.float64)
+    logd = torch.log(prefix_len - j)
+    use = (j >= N_SINK) & (sc > 0)
+    b = 0.0
+    if int(use.sum()) >= 2:
+        x, y = logd[use], torch.log(sc[use])
+        vx = ((x - x.mean())**2).sum()
+        if float(vx) > 0:
+            b = float(((x - x.mean())*(y - y.mean())).sum()/vx)
+    b = min(0.0, max(-RECENCY_MAX_SLOPE, b))
+    return (sc*torch.exp(-strength*b*logd)).to(scores.dtype)
+
+
 def rows_by_score(scores: torch.Tensor, prefix_len: int, span: int = 1) -> list[int]:
     """Prefix rows by :func:`span_ranks` (highest first), then by their own score, then earlier."""
     if scores.shape[0] < prefix_len:
@@ -582,36 +605,46 @@ def rows_by_score(scores: torch.Tensor, prefix_len: int, span: int = 1) -> list[
 
 
 def ranked_rows(scores: torch.Tensor, prefix_len: int, k: int, span: int = DEFAULT_SPAN,
-                taken: Sequence[int] = (), share: float = SPAN_SHARE) -> list[int]:
-    """The rows a scored selector adds to ``taken`` until there are ``k``: with ``span`` > 1, rows by
-    span (:func:`rows_by_score`) add at most ceil(share · k) (the library's share: SPAN_SHARE), then
-    rows by their own score the rest (span 1: by own score alone). Rows already in ``taken`` are
-    skipped."""
+                taken: Sequence[int] = (), share: float = SPAN_SHARE, recency: float = 0.0) -> list[int]:
+    """The rows a scored selector adds to ``taken`` until there are ``k``, from these lists in turn:
+    with ``recency`` > 0, rows by span of the :func:`recency_corrected` scores add at most
+    ceil(recency · k) (the attention selectors: RECENCY_SHARE); with ``span`` > 1, rows by span
+    (:func:`rows_by_score`) add rows until the span lists have added ceil(share · k) (the library's
+    share: SPAN_SHARE, the recency rows included); then rows by their own score the rest (span 1:
+    by own score alone). Rows already taken are skipped."""
     have, out = set(taken), []
-    lists = ([(rows_by_score(scores, prefix_len, span), n_selected(k, share))] if span > 1 else []) + \
-        [(rows_by_score(scores, prefix_len, 1), k)]
-    for order, n_max in lists:
-        end = min(k, len(have) + n_max)
+
+    def add(order: list[int], n_max: int) -> int:
+        end, n0 = min(k, len(have) + n_max), len(out)
         for i in order:
             if len(have) >= end:
                 break
             if i not in have:
                 have.add(i)
                 out.append(i)
+        return len(out) - n0
+
+    n_recency = add(rows_by_score(recency_corrected(scores, prefix_len), prefix_len, span),
+                    n_selected(k, recency)) if recency > 0 else 0
+    if span > 1:
+        add(rows_by_score(scores, prefix_len, span), max(0, n_selected(k, share) - n_recency))
+    add(rows_by_score(scores, prefix_len, 1), k)
     return out
 
 
 def select_exact_rows(scores: torch.Tensor, prefix_len: int, fraction: float = DEFAULT_FRACTION,
-                      span: int = DEFAULT_SPAN) -> list[int]:
+                      span: int = DEFAULT_SPAN, recency: float = RECENCY_SHARE) -> list[int]:
     """The top :func:`n_selected` (k = ceil(fraction · prefix_len)) prefix rows by score, as sorted
-    positions. Only rows 0..prefix_len-1 compete; ties go to the earlier position. ``span`` > 1:
-    ceil(SPAN_SHARE · k) of them by the highest score within the span around them
-    (:func:`rows_by_score`), so the span around each top-scoring row is kept whole, and the rest
-    by their own score (:func:`ranked_rows`)."""
+    positions. Only rows 0..prefix_len-1 compete; ties go to the earlier position. First
+    ceil(recency · k) of them by the :func:`recency_corrected` scores, as spans (the attention
+    selectors' RECENCY_SHARE; the probe's scores pass 0); ``span`` > 1: up to ceil(SPAN_SHARE · k)
+    in spans, those included, by the highest score within the span around them
+    (:func:`rows_by_score`), so the span around each top-scoring row is kept whole; the rest by
+    their own score (:func:`ranked_rows`)."""
     k = n_selected(prefix_len, fraction)
     if k == 0:
         return []
-    return sorted(ranked_rows(scores, prefix_len, k, span))
+    return sorted(ranked_rows(scores, prefix_len, k, span, recency=recency))
 
 
 def select_attention_rows(oracle: Oracle, tokens: Sequence[int], *, split: int, tail: int,
