@@ -13,12 +13,15 @@ recency ``1@settings.RECENCY_SHARE``.
     python tools/sweep_span_share.py nll MODEL MAPS [--length 2048] [--docs 12] [--shares 0,0.5,0.75,1]
         [--recency 0,1@0.25]
     python tools/sweep_span_share.py retrieval MODEL MAPS [--length 2048] [--shares 0,0.5,0.75,1] [--recency ...]
+    python tools/sweep_span_share.py slopes MODEL MAPS [--length 2048] [--docs 3]
 
 ``nll``: novel-token ΔNLL against exact prefill on the tail of ``eval``'s documents (the same
 documents and metric as ``ridgefill-gguf eval``), token-weighted over documents, and each variant's
 paired difference against the largest share with the first recency, with a bootstrap CI over
 documents. ``retrieval``: ``eval --codes 2``'s planted-code prompts (5 depths x 2), greedy answers,
-and "kept": of the prompts exact prefill answers, those the variant answers too.
+and "kept": of the prompts exact prefill answers, those the variant answers too. ``slopes``: per
+document, the slope of log score on log distance that the recency correction removes (rows after
+the sinks with a score > 0) and the mean score by eighth of the prefix.
 
 Until commit "recency share" (docs/selector-spans), "1@f" meant spans by corrected score for
 ceil(f · k) rows and then ceil(share · k) more by the measured score: the logs' "share 0.5 recency
@@ -60,7 +63,7 @@ def pick(scores: np.ndarray, k: int, share: float, span: int, recency: str = "0"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["nll", "retrieval"])
+    ap.add_argument("what", choices=["nll", "retrieval", "slopes"])
     ap.add_argument("model", help="a model GGUF or a name of `ridgefill-gguf models`")
     ap.add_argument("maps")
     ap.add_argument("--length", type=int, default=2048)
@@ -94,7 +97,16 @@ def main() -> None:
         return sc
 
     t0 = time.time()
-    if a.what == "nll":
+    if a.what == "slopes":
+        for d in build_documents(tok, bos, default_texts(), n, a.docs):
+            timed_prefill(llm, rf(span=1), d.tokens[:n], 1)
+            sc = np.array(llm.ridgefill_scores()[:N], dtype=np.float64)
+            j = np.arange(N)
+            use = (j >= F.N_SINK) & (sc > 0)
+            b = np.polyfit(np.log(N - j[use]), np.log(sc[use]), 1)[0]
+            eighths = " ".join(f"{sc[lo:lo + N // 8].mean():.3g}" for lo in range(0, N, N // 8))
+            print(f"{d.name}: slope {b:+.3f}; mean score by eighth of the prefix: {eighths}", flush=True)
+    elif a.what == "nll":
         deltas: dict[tuple[float, str], list[tuple[float, int]]] = {v: [] for v in variants}
         for i, d in enumerate(build_documents(tok, bos, default_texts(), n, a.docs)):
             prompt, targets = d.tokens[:n], d.tokens[n - T + 1:n + 1]
