@@ -101,9 +101,7 @@ def main() -> None:
         for d in build_documents(tok, bos, default_texts(), n, a.docs):
             timed_prefill(llm, rf(span=1), d.tokens[:n], 1)
             sc = np.array(llm.ridgefill_scores()[:N], dtype=np.float64)
-            j = np.arange(N)
-            use = (j >= F.N_SINK) & (sc > 0)
-            b = np.polyfit(np.log(N - j[use]), np.log(sc[use]), 1)[0]
+            b = F.recency_slope(torch.from_numpy(sc), N)
             eighths = " ".join(f"{sc[lo:lo + N // 8].mean():.3g}" for lo in range(0, N, N // 8))
             print(f"{d.name}: slope {b:+.3f}; mean score by eighth of the prefix: {eighths}", flush=True)
     elif a.what == "nll":

@@ -46,7 +46,8 @@ Choices where docs/design.md §4/§5 are silent (the C++ implementation follows 
 * **Selector rounding.** ``select_exact_rows`` keeps ``ceil(fraction · prefix)`` rows (with a 1e-9
   tolerance, so 0.1 · 30 is 3 and not 4): any fraction > 0 of a non-empty prefix keeps at least
   one row, 0 keeps none, 1 keeps all. Ties in score go to the earlier position. With a span,
-  ceil(SPAN_SHARE · k) rows come as whole spans around the top-scoring rows, the rest as single rows.
+  ceil(SPAN_SHARE · k) rows come as whole spans around the top-scoring rows, the rest as single rows;
+  for the attention selectors the first ceil(RECENCY_SHARE · k) of them by :func:`recency_corrected`.
 * **Selector layer** (:func:`default_selector_layer`): the last full-attention layer below S, i.e.
   S-1 for llama and qwen3; gemma3 skips sliding-window layers (they cannot see rows further back
   than the window) and qwen35 skips Gated DeltaNet layers (they have no attention probabilities).
@@ -574,24 +575,30 @@ def span_ranks(scores: torch.Tensor, prefix_len: int, span: int = 1) -> torch.Te
     return torch.stack([sc[max(0, j - after):j + before + 1].max() for j in range(prefix_len)]) if prefix_len else sc
 
 
-def recency_corrected(scores: torch.Tensor, prefix_len: int, strength: float = 1.0) -> torch.Tensor:
-    """The prefix rows' attention scores without their recency trend: each row's score times
-    d^(-strength * b), d = prefix_len - j its distance from the end of the prefix and b the slope of
-    log score on log d, least squares over the rows after the sinks (j >= N_SINK) whose score is
-    > 0, clamped to [-RECENCY_MAX_SLOPE, 0] (a prompt whose scores do not fall with distance is left
-    as it is). Strength 1 ranks a row by its score over what a row at its distance gets on average
-    (a power law fitted on the prompt's own scores); 0 leaves the scores unchanged."""
+def recency_slope(scores: torch.Tensor, prefix_len: int) -> float:
+    """The slope b of log score on log d, d = prefix_len - j a prefix row's distance from the end of
+    the prefix: least squares over the rows after the sinks (j >= N_SINK) whose score is > 0; 0 when
+    fewer than two such rows (or one distance) are left. Not clamped."""
     sc = scores[:prefix_len].double()
     j = torch.arange(prefix_len, dtype=torch.float64)
-    logd = torch.log(prefix_len - j)
     use = (j >= N_SINK) & (sc > 0)
-    b = 0.0
-    if int(use.sum()) >= 2:
-        x, y = logd[use], torch.log(sc[use])
-        vx = ((x - x.mean())**2).sum()
-        if float(vx) > 0:
-            b = float(((x - x.mean())*(y - y.mean())).sum()/vx)
-    b = min(0.0, max(-RECENCY_MAX_SLOPE, b))
+    if int(use.sum()) < 2:
+        return 0.0
+    x, y = torch.log(prefix_len - j[use]), torch.log(sc[use])
+    vx = ((x - x.mean())**2).sum()
+    return float(((x - x.mean())*(y - y.mean())).sum()/vx) if float(vx) > 0 else 0.0
+
+
+def recency_corrected(scores: torch.Tensor, prefix_len: int, strength: float = 1.0) -> torch.Tensor:
+    """The prefix rows' attention scores without their recency trend: each row's score times
+    d^(-strength * b), d = prefix_len - j its distance from the end of the prefix and b the
+    :func:`recency_slope`, clamped to [-RECENCY_MAX_SLOPE, 0] (a prompt whose scores do not fall
+    with distance is left as it is). Strength 1 ranks a row by its score over what a row at its
+    distance gets on average (a power law fitted on the prompt's own scores); 0 leaves the scores
+    unchanged."""
+    sc = scores[:prefix_len].double()
+    logd = torch.log(prefix_len - torch.arange(prefix_len, dtype=torch.float64))
+    b = min(0.0, max(-RECENCY_MAX_SLOPE, recency_slope(scores, prefix_len)))
     return (sc*torch.exp(-strength*b*logd)).to(scores.dtype)
 
 
