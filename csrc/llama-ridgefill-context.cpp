@@ -424,6 +424,15 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
         return 0; // degenerate: stock prefill (docs/design.md §4.6)
     }
 
+    // outputs computed inside the prompt's graphs, from the last ubatch before the late phase has
+    // run: embeddings switched on after attaching (llama_set_embeddings) and a backend sampler
+    // (llama_set_sampler). The prompt runs stock prefill, which gives them what they expect
+    if (lctx.get_cparams().embeddings || lctx.has_sampler(seq_id)) {
+        LLAMA_LOG_INFO("%s: stock prefill for the %d rows of sequence %d: it %s inside the graph\n", __func__, N, seq_id,
+                lctx.get_cparams().embeddings ? "computes embeddings" : "samples on the backend (llama_set_sampler)");
+        return 0;
+    }
+
     // a layer-input capture needs every layer of every row in the graph; a planned prompt's graphs
     // run some of them
     const auto & capture = lctx.get_cparams().embeddings_layer_inp;

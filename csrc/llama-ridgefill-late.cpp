@@ -595,6 +595,9 @@ bool llama_ridgefill_context::reserve() {
     if (std::find(capture.begin(), capture.end(), true) != capture.end()) {
         return true; // no plan begins while a layer-input capture is on; turning it off reserves again
     }
+    if (cparams.embeddings) {
+        return true; // no plan begins while embeddings are on (llama_set_embeddings); turning them off reserves again
+    }
 
     llama_memory_context_ptr mctx = lctx.get_memory()->init_full();
     if (!mctx) {

@@ -12,12 +12,14 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 #include "gguf.h"
+#include "hash/xxhash/xxhash.h"
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <chrono>
 #include <map>
 #include <stdexcept>
 
@@ -73,6 +75,7 @@ ggml_tensor * llama_ridgefill_stage_a(ggml_context * ctx0, const llama_ridgefill
 }
 
 static const char * RIDGEFILL_ADAPTER_TYPE = "ridgefill";
+static const char * RIDGEFILL_KEY_DIGEST   = "ridgefill.digest.xxh64";
 static const uint32_t RIDGEFILL_FORMAT_VERSION = 1;
 
 namespace {
@@ -205,6 +208,11 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
     }
     maps.normalized  = input_norm == "rms";
     maps.norm_eps    = meta.f32("ridgefill.input_norm_eps");
+    // ggml_rms_norm asserts eps >= 0: a NaN or negative value would abort the first planned prefill
+    if (!std::isfinite(maps.norm_eps) || maps.norm_eps < 0.0f || maps.norm_eps > LLAMA_RIDGEFILL_MAX_NORM_EPS) {
+        throw std::runtime_error(format("%s: metadata key ridgefill.input_norm_eps = %g outside [0, %g]", path,
+                maps.norm_eps, LLAMA_RIDGEFILL_MAX_NORM_EPS));
+    }
     maps.fingerprint = meta.str("ridgefill.model.fingerprint");
     // before any tensor data is read: maps of another checkpoint are refused at once
     if (params.model_path != nullptr) {
@@ -323,8 +331,34 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
     }
     maps.host = params.host;
 
+    // the content digests fit wrote: one "NAME HEX" per tensor, XXH64 of its bytes (files written
+    // before digests existed have none, and load with a warning)
+    std::map<std::string, std::string> digests;
+    const int64_t digest_id = meta.find(RIDGEFILL_KEY_DIGEST, false);
+    if (digest_id >= 0) {
+        if (gguf_get_kv_type(ctx_gguf.get(), digest_id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx_gguf.get(), digest_id) != GGUF_TYPE_STRING) {
+            throw std::runtime_error(format("%s: metadata key %s is not a string array", path, RIDGEFILL_KEY_DIGEST));
+        }
+        for (size_t i = 0; i < gguf_get_arr_n(ctx_gguf.get(), digest_id); ++i) {
+            const std::string entry = gguf_get_arr_str(ctx_gguf.get(), digest_id, i);
+            const size_t sep = entry.find(' ');
+            if (sep == std::string::npos || entry.size() - sep - 1 != 16 || !digests.emplace(entry.substr(0, sep), entry.substr(sep + 1)).second) {
+                throw std::runtime_error(format("%s: metadata key %s: malformed entry '%.80s' (expected 'TENSOR HEX16', one per tensor)",
+                        path, RIDGEFILL_KEY_DIGEST, entry.c_str()));
+            }
+        }
+        if ((int64_t) digests.size() != n_tensors) {
+            throw std::runtime_error(format("%s: %s lists %zu tensors, the file has %lld: the file was altered after it was written",
+                    path, RIDGEFILL_KEY_DIGEST, digests.size(), (long long) n_tensors));
+        }
+    } else {
+        LLAMA_LOG_WARN("%s: %s has no content digest (%s; written before digests existed): "
+                "corrupted map weights cannot be detected; fit the maps again to add one\n", __func__, path, RIDGEFILL_KEY_DIGEST);
+    }
+
     llama_file file(path, "rb");
     std::vector<uint8_t> data;
+    double t_digest_ms = 0.0;
     for (auto & [src, dst] : to_load) {
         const size_t offs = gguf_get_data_offset(ctx_gguf.get()) + gguf_get_tensor_offset(ctx_gguf.get(), gguf_find_tensor(ctx_gguf.get(), src->name));
         const size_t size = ggml_nbytes(src);
@@ -334,6 +368,20 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
         data.resize(size);
         file.seek(offs, SEEK_SET);
         file.read_raw(data.data(), size);
+        if (!digests.empty()) {
+            const auto t0 = std::chrono::steady_clock::now();
+            const std::string got = format("%016llx", (unsigned long long) XXH64(data.data(), size, 0));
+            t_digest_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            const auto it = digests.find(src->name);
+            if (it == digests.end()) {
+                throw std::runtime_error(format("%s: tensor %s has no entry in %s: the file was altered after it was written",
+                        path, src->name, RIDGEFILL_KEY_DIGEST));
+            }
+            if (it->second != got) {
+                throw std::runtime_error(format("%s: tensor %s: its bytes give xxh64 %s, the file records %s: the file was "
+                        "corrupted after it was written (copy it again, or fit new maps)", path, src->name, got.c_str(), it->second.c_str()));
+            }
+        }
         try {
             check_finite(src, data.data());
         } catch (const std::exception & e) {
@@ -341,10 +389,12 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
         }
         ggml_backend_tensor_set(dst, data.data(), 0, size);
     }
+    maps.digest_checked = !digests.empty();
 
-    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s) from %s, %.2f MiB in %s (%s)\n", __func__,
+    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s) from %s, %.2f MiB in %s (%s), %s\n", __func__,
             maps.split_layer + 1, n_layer - 1, maps.split_layer, maps.objective.c_str(), path, maps.n_bytes() / 1024.0 / 1024.0,
-            maps.buft_names.c_str(), maps.host ? "host placement" : "resident");
+            maps.buft_names.c_str(), maps.host ? "host placement" : "resident",
+            maps.digest_checked ? format("content digest checked in %.1f ms", t_digest_ms).c_str() : "no content digest");
 }
 
 struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void) {
@@ -394,6 +444,10 @@ const char * llama_ridgefill_maps_buffer_types(const struct llama_ridgefill_maps
 
 bool llama_ridgefill_maps_has_state_gains(const struct llama_ridgefill_maps * maps) {
     return maps && std::any_of(maps->g.begin(), maps->g.end(), [](const ggml_tensor * t) { return t != nullptr; });
+}
+
+bool llama_ridgefill_maps_digest_checked(const struct llama_ridgefill_maps * maps) {
+    return maps->digest_checked;
 }
 
 bool llama_ridgefill_maps_host(const struct llama_ridgefill_maps * maps) {

@@ -21,6 +21,7 @@ struct llama_ridgefill_maps {
     bool    normalized  = true;  // phi = RMS normalisation (objective "normalized"), else identity
     float   norm_eps    = 1e-6f;
     bool    host        = false; // placement: false = with the layer's weights
+    bool    digest_checked = false; // every tensor matched the file's content digest
 
     std::string objective;
     std::string fingerprint;     // of the model the maps were fitted on (checked by the caller)

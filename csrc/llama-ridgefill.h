@@ -48,9 +48,12 @@ extern "C" {
     LLAMA_API struct llama_ridgefill_maps_params llama_ridgefill_maps_default_params(void);
 
     // load the maps of a map file and check them against the model: file type and format version,
-    // architecture, n_layer, n_embd, split, the list of mapped layers, tensor names, shapes, types and
-    // finite values, and with params.model_path the fingerprint of the model file the maps were fitted
-    // on. Returns NULL on any mismatch; llama_ridgefill_last_error() says what did not match.
+    // architecture, n_layer, n_embd, split, the range of every number in its metadata (an
+    // input_norm_eps in [0, LLAMA_RIDGEFILL_MAX_NORM_EPS]), the list of mapped layers, tensor names,
+    // shapes, types, each tensor's content digest (ridgefill.digest.xxh64, XXH64 of its bytes, when
+    // the file has one) and finite values, and with params.model_path the fingerprint of the model
+    // file the maps were fitted on. Returns NULL on any mismatch; llama_ridgefill_last_error() says
+    // what did not match, naming the key or the tensor.
     LLAMA_API struct llama_ridgefill_maps * llama_ridgefill_maps_init(
             const struct llama_model * model,
                           const char * path,
@@ -69,6 +72,12 @@ extern "C" {
     // where the maps live: the buffer type names of their buffers, comma-separated (e.g. "CPU",
     // "CUDA0", "CUDA_Host"); static storage per maps object, valid while it lives
     LLAMA_API const char * llama_ridgefill_maps_buffer_types(const struct llama_ridgefill_maps * maps);
+
+    // the largest RMS-norm epsilon a map file may record (models use 1e-6 .. 1e-5)
+    #define LLAMA_RIDGEFILL_MAX_NORM_EPS 1e-2f
+
+    // whether every tensor was checked against the file's content digest (false: the file has none)
+    LLAMA_API bool        llama_ridgefill_maps_digest_checked(const struct llama_ridgefill_maps * maps);
 
     // whether the maps were loaded for host placement (llama_ridgefill_maps_params.host)
     LLAMA_API bool        llama_ridgefill_maps_host       (const struct llama_ridgefill_maps * maps);

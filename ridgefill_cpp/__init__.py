@@ -14,6 +14,9 @@ except PackageNotFoundError:  # pragma: no cover - source tree without an instal
     __version__ = "0.0.0"
 
 from . import models  # noqa: E402
+from ._log import install as _install_log, set_llama_log  # noqa: E402
 from .prefill import Llama, RidgeFill  # noqa: E402  (after _native: the patched libraries)
 
-__all__ = ["Llama", "RidgeFill", "LIB_DIR", "NativeLibraryError", "build_info", "models", "__version__"]
+_install_log()  # llama.cpp's log lines by their real levels, through one switch (ridgefill_cpp._log)
+
+__all__ = ["Llama", "RidgeFill", "LIB_DIR", "NativeLibraryError", "build_info", "models", "set_llama_log", "__version__"]

@@ -108,8 +108,15 @@ def main(
         None, "--version", callback=_version_callback, is_eager=True,
         help="Show the version, the llama.cpp commit and patch set of the native build, and exit.",
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v",
+        help="Show llama.cpp's own log lines (model loading, caches, warnings) on stderr; quiet by default.",
+    ),
 ) -> None:
     """RidgeFill: faster long-prompt prefill for llama.cpp (late-layer KV filled from ridge maps)."""
+    from ._log import set_llama_log
+
+    set_llama_log(verbose)
 
 
 def _model_table(info) -> Table:

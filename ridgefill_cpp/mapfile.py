@@ -15,6 +15,12 @@ and the tests agree. A map file is a GGUF adapter::
         optionally, ``ridgefill.state_gain.*``: the operating point they were fitted at
         (:data:`STATE_GAIN_KEYS`; files written before these keys existed have none)
 
+Every tensor's bytes have a content digest, ``ridgefill.digest.xxh64``: one ``"NAME HEX"`` string per
+tensor, XXH64 (seed 0) of the tensor data as stored - the digest ``llama-gguf-hash --xxh64`` prints
+for it. ``fit`` and every rewrite (``tune``, ``fit --state-gains``) write it; :func:`read_map_file`
+and the runtime loader check it, so a file corrupted after it was written (a bad copy, a flipped
+bit) is refused naming the tensor. Files written before digests existed have none and still load.
+
 The map predicts the input of layer l from the split-layer state of the same row:
 ``x̂_l = A_l φ(x_S) + b_l`` where φ is the identity (``input_norm = "none"``) or RMS
 normalisation without weight (``"rms"``: ``x / sqrt(mean(x²) + eps)``), as recorded in the file.
@@ -22,10 +28,12 @@ normalisation without weight (``"rms"``: ``x / sqrt(mean(x²) + eps)``), as reco
 
 from __future__ import annotations
 
+import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -64,6 +72,8 @@ KEY_REL_ERR = "ridgefill.quality.rel_err_median"
 KEY_ID_REL_ERR = "ridgefill.quality.identity_rel_err_median"
 KEY_FINGERPRINT = "ridgefill.model.fingerprint"
 KEY_MODEL_NAME = "ridgefill.model.name"
+#: per-tensor content digests, "NAME HEX" (XXH64 of the tensor's bytes, seed 0)
+KEY_DIGEST = "ridgefill.digest.xxh64"
 # the operating point the state gains were fitted at (optional, only with state-gain tensors)
 KEY_STATE_GAIN_TAIL = "ridgefill.state_gain.tail"
 KEY_STATE_GAIN_FRACTION = "ridgefill.state_gain.exact_fraction"
@@ -158,6 +168,8 @@ class MapFileMeta:
     model_name: str = ""
     tool_version: str = ""
     format_version: int = FORMAT_VERSION
+    #: the content digest the file's tensors were checked against ("xxh64"), "" when it has none
+    digest: str = ""
 
     @property
     def input_norm(self) -> str:
@@ -202,7 +214,7 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
         raise ValueError(f"dtype must be 'f16' or 'f32', not {dtype!r}")
     path = check_output(path, overwrite=overwrite)
     check_maps(maps)
-    with atomic_gguf_writer(path, meta.architecture) as w:
+    with _map_writer(path, meta.architecture) as w:
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string("adapter.type", ADAPTER_TYPE)
         w.add_string("general.name", f"RidgeFill maps for {meta.model_name or meta.architecture} (S={meta.split_layer})")
@@ -239,6 +251,65 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
         for il in sorted(maps.g):
             w.add_tensor(tensor_name_state_gain(il), np.ascontiguousarray(maps.g[il], dtype=np.float32))
     return path
+
+
+def tensor_digest(data) -> str:
+    """The content digest of one tensor: XXH64 (seed 0) of its bytes as stored, 16 hex digits (what
+    ``llama-gguf-hash --xxh64`` prints for it)."""
+    import xxhash
+
+    return xxhash.xxh64(memoryview(np.ascontiguousarray(data)).cast("B"), seed=0).hexdigest()
+
+
+@contextmanager
+def _map_writer(path: os.PathLike | str, arch: str, *, mode: int | None = None) -> Iterator[Any]:
+    """:func:`ridgefill_cpp.gguf_copy.atomic_gguf_writer` that records the digest of every tensor
+    added and writes them as :data:`KEY_DIGEST` (every map file gets one)."""
+    with atomic_gguf_writer(path, arch, mode=mode) as w:
+        digests: list[str] = []
+        add_tensor = w.add_tensor
+
+        def add(name: str, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
+            digests.append(f"{name} {tensor_digest(tensor)}")
+            add_tensor(name, tensor, *args, **kwargs)
+
+        w.add_tensor = add
+        yield w
+        w.add_array(KEY_DIGEST, digests)
+
+
+def check_digests(path: os.PathLike | str, md: dict[str, Any] | None = None) -> str:
+    """Check every tensor of the map file at ``path`` against its :data:`KEY_DIGEST` entry.
+    Returns ``"xxh64"`` (checked) or ``""`` (the file has no digests: written before they existed).
+    Raises :class:`MapFileError` naming the tensor whose bytes changed, or a tensor without a digest."""
+    from .gguf_model import open_gguf
+
+    md = read_metadata(path) if md is None else md
+    if KEY_DIGEST not in md:
+        return ""
+    entries = md[KEY_DIGEST]
+    want: dict[str, str] = {}
+    for e in entries if isinstance(entries, list) else [entries]:
+        name, _, hexd = str(e).partition(" ")
+        if not name or len(hexd) != 16 or any(c not in "0123456789abcdef" for c in hexd) or name in want:
+            raise MapFileError(f"{path}: {KEY_DIGEST}: malformed entry {str(e)[:80]!r} (expected 'TENSOR HEX16', one per tensor)")
+        want[name] = hexd
+    try:
+        reader = open_gguf(path)
+    except GGUFFileError as e:
+        raise MapFileError(str(e)) from None
+    names = [t.name for t in reader.tensors]
+    if sorted(names) != sorted(want):
+        missing = sorted(set(names) - set(want)) or sorted(set(want) - set(names))
+        raise MapFileError(f"{path}: {KEY_DIGEST} does not list the file's tensors (differs at {missing[0]}): "
+                           "the file was altered after it was written")
+    for t in reader.tensors:
+        got = tensor_digest(t.data)
+        if got != want[t.name]:
+            raise MapFileError(f"{path}: tensor {t.name}: its bytes give xxh64 {got}, the file records {want[t.name]}: "
+                               "the file was corrupted after it was written (copy it again, or fit new maps)")
+    del reader
+    return "xxh64"
 
 
 def state_gain_key_values(settings: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
@@ -289,6 +360,8 @@ def state_gain_settings_from_metadata(md: dict[str, Any], path: os.PathLike | st
               isinstance(value, (int, float)) and not isinstance(value, bool))
         if not ok:
             raise MapFileError(f"{where}{key} = {value!r} is not a {kind.lower()}")
+        if (kind == "UINT32" and not 0 <= value < 2**32) or (kind == "FLOAT32" and not 0.0 <= value <= 1.0):
+            raise MapFileError(f"{where}{key} = {value!r} outside {'0..2^32-1' if kind == 'UINT32' else '[0, 1]'}")
         # an F32 in the file: the shortest decimal that round-trips to the same float32 (0.1, not 0.100000001)
         out[name] = float(np.format_float_positional(np.float32(value), unique=True)) if kind == "FLOAT32" else value
     return {k: out[k] for k in STATE_GAIN_KEYS if k in out}
@@ -297,6 +370,7 @@ def state_gain_settings_from_metadata(md: dict[str, Any], path: os.PathLike | st
 def check_maps(maps: RidgeMaps) -> None:
     """Structural and numeric checks shared by the writer and the reader."""
     m = maps.meta
+    check_meta_values(m)
     if m.objective not in OBJECTIVES:
         raise MapFileError(f"unknown objective {m.objective!r} (expected one of {', '.join(OBJECTIVES)})")
     if not 0 < m.split_layer < m.n_layer:
@@ -356,33 +430,7 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
     version = md.get(KEY_FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise MapFileError(f"{path}: map file format version {version}, this tool reads version {FORMAT_VERSION}")
-    try:
-        meta = MapFileMeta(
-            architecture=md["general.architecture"],
-            split_layer=int(md[KEY_SPLIT]),
-            n_layer=int(md[KEY_N_LAYER]),
-            n_embd=int(md[KEY_N_EMBD]),
-            objective=md[KEY_OBJECTIVE],
-            input_norm_eps=float(md[KEY_INPUT_NORM_EPS]),
-            layers=[int(x) for x in md[KEY_LAYERS]],
-            lambdas=list(md[KEY_LAMBDA]),
-            calib_n_tokens=int(md[KEY_CALIB_TOKENS]),
-            calib_n_rows=int(md[KEY_CALIB_ROWS]),
-            calib_source=md[KEY_CALIB_SOURCE],
-            calib_ctx=int(md[KEY_CALIB_CTX]),
-            calib_skip_rows=int(md[KEY_CALIB_SKIP]),
-            calib_ctx_lengths=[int(x) for x in md.get(KEY_CALIB_CTX_MIX, [])],
-            heldout_n_rows=int(md[KEY_HELDOUT_ROWS]),
-            r2=list(md[KEY_R2]),
-            rel_err_median=list(md[KEY_REL_ERR]),
-            identity_rel_err_median=list(md[KEY_ID_REL_ERR]),
-            fingerprint=md[KEY_FINGERPRINT],
-            model_name=md.get(KEY_MODEL_NAME, ""),
-            tool_version=md.get(KEY_TOOL_VERSION, ""),
-            format_version=int(version),
-        )
-    except KeyError as e:
-        raise MapFileError(f"{path}: missing metadata key {e.args[0]}") from None
+    meta = _meta_from_metadata(md, path)
     if md.get(KEY_INPUT_NORM) != meta.input_norm:
         raise MapFileError(f"{path}: input_norm {md.get(KEY_INPUT_NORM)!r} does not match objective {meta.objective!r}")
     try:
@@ -414,7 +462,91 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
         check_maps(maps)
     except MapFileError as e:
         raise MapFileError(f"{path}: {e}") from None
+    meta.digest = check_digests(path, md)
     return maps
+
+
+def _meta_from_metadata(md: dict[str, Any], path: os.PathLike | str) -> MapFileMeta:
+    """The :class:`MapFileMeta` of a map file's metadata, every value checked for its type and range
+    (:func:`check_meta_values`); the error names the key."""
+    def get(key: str, kind: str, default: Any = None) -> Any:
+        if key not in md:
+            if default is not None:
+                return default
+            raise MapFileError(f"{path}: missing metadata key {key}")
+        v = md[key]
+        if kind == "str":
+            ok = isinstance(v, str)
+        elif kind == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        elif kind == "float":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        elif kind == "ints":
+            ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        else:  # floats
+            ok = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        if not ok:
+            what = {"str": "a string", "int": "a non-negative integer", "float": "a number",
+                    "ints": "an array of integers", "floats": "an array of numbers"}[kind]
+            raise MapFileError(f"{path}: metadata key {key} = {str(v)[:60]!r} is not {what}")
+        return v
+
+    meta = MapFileMeta(
+        architecture=get("general.architecture", "str"),
+        split_layer=get(KEY_SPLIT, "int"),
+        n_layer=get(KEY_N_LAYER, "int"),
+        n_embd=get(KEY_N_EMBD, "int"),
+        objective=get(KEY_OBJECTIVE, "str"),
+        input_norm_eps=float(get(KEY_INPUT_NORM_EPS, "float")),
+        layers=list(get(KEY_LAYERS, "ints")),
+        lambdas=[float(x) for x in get(KEY_LAMBDA, "floats")],
+        calib_n_tokens=get(KEY_CALIB_TOKENS, "int"),
+        calib_n_rows=get(KEY_CALIB_ROWS, "int"),
+        calib_source=get(KEY_CALIB_SOURCE, "str"),
+        calib_ctx=get(KEY_CALIB_CTX, "int"),
+        calib_skip_rows=get(KEY_CALIB_SKIP, "int"),
+        calib_ctx_lengths=list(get(KEY_CALIB_CTX_MIX, "ints", [])),
+        heldout_n_rows=get(KEY_HELDOUT_ROWS, "int"),
+        r2=[float(x) for x in get(KEY_R2, "floats")],
+        rel_err_median=[float(x) for x in get(KEY_REL_ERR, "floats")],
+        identity_rel_err_median=[float(x) for x in get(KEY_ID_REL_ERR, "floats")],
+        fingerprint=get(KEY_FINGERPRINT, "str"),
+        model_name=get(KEY_MODEL_NAME, "str", ""),
+        tool_version=get(KEY_TOOL_VERSION, "str", ""),
+        format_version=get(KEY_FORMAT_VERSION, "int"),
+    )
+    try:
+        check_meta_values(meta)
+    except MapFileError as e:
+        raise MapFileError(f"{path}: {e}") from None
+    return meta
+
+
+#: the largest RMS-norm epsilon a map file may record (models use 1e-6 .. 1e-5)
+MAX_INPUT_NORM_EPS = 1e-2
+
+
+def check_meta_values(meta: MapFileMeta) -> None:
+    """The ranges of a map file's numbers, each error naming its metadata key: what the runtime
+    computes with must be usable (a NaN or negative ``input_norm_eps`` would abort libllama at the
+    first planned prompt), and what ``info`` reports must be finite."""
+    if not (math.isfinite(meta.input_norm_eps) and 0.0 <= meta.input_norm_eps <= MAX_INPUT_NORM_EPS):
+        raise MapFileError(f"{KEY_INPUT_NORM_EPS} = {meta.input_norm_eps:g} outside [0, {MAX_INPUT_NORM_EPS:g}]")
+    if not 3 <= meta.n_layer <= 100_000:
+        raise MapFileError(f"{KEY_N_LAYER} = {meta.n_layer} outside 3..100000")
+    if not 1 <= meta.n_embd <= 1_000_000:
+        raise MapFileError(f"{KEY_N_EMBD} = {meta.n_embd} outside 1..1000000")
+    if not 1 <= meta.split_layer <= meta.n_layer - 2:
+        raise MapFileError(f"{KEY_SPLIT} = {meta.split_layer} outside 1..{meta.n_layer - 2}")
+    for key, vals, lo, hi in ((KEY_LAMBDA, meta.lambdas, 0.0, math.inf),
+                              (KEY_R2, meta.r2, -math.inf, 1.0),
+                              (KEY_REL_ERR, meta.rel_err_median, 0.0, math.inf),
+                              (KEY_ID_REL_ERR, meta.identity_rel_err_median, 0.0, math.inf)):
+        bad = [v for v in vals if not (math.isfinite(v) and lo <= v <= hi)]
+        if bad:
+            raise MapFileError(f"{key} has {bad[0]:g}, outside [{lo:g}, {hi:g}] (finite)")
+    if meta.calib_ctx_lengths and min(meta.calib_ctx_lengths) < 1:
+        raise MapFileError(f"{KEY_CALIB_CTX_MIX} has a length below 1: {meta.calib_ctx_lengths}")
 
 
 def _ggml_type_name(t: int | None) -> str:
@@ -504,6 +636,14 @@ def tuned_defaults_from_metadata(md: dict[str, Any], path: os.PathLike | str = "
               isinstance(value, (int, float)) and not isinstance(value, bool))
         if not ok:
             raise MapFileError(f"{where}{TUNED_PREFIX}{name} = {value!r} is not a {kind.lower()}")
+        if (kind == "UINT32" and not 0 <= value < 2**32) or (kind == "FLOAT64" and not math.isfinite(value)):
+            raise MapFileError(f"{where}{TUNED_PREFIX}{name} = {value!r} is not a "
+                               f"{'non-negative 32-bit integer' if kind == 'UINT32' else 'finite number'}")
+        if name in ("tail", "exact_fraction", "span"):  # what RidgeFill(path) passes to libllama
+            try:
+                check_setting(name, value, label=f"{TUNED_PREFIX}{name}")
+            except ValueError as e:
+                raise MapFileError(f"{where}{e}") from None
         out[name] = float(value) if kind == "FLOAT64" else value
     missing = [k for k, (_, req, _) in TUNED_KEYS.items() if req and k not in out]
     if missing:
@@ -579,17 +719,19 @@ def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None
     ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array)). Atomic
     (:func:`ridgefill_cpp.files.atomic_path`): a temporary file next to the output, then a rename (a
     symlink is followed; the output gets the source's permission bits); on any error the output is
-    left as it was."""
+    left as it was. The source's tensors are checked against its content digest first (a corrupted
+    file is refused, not given a fresh digest); the output gets the digest of what it holds."""
     import gguf
 
     path = Path(path).resolve()
     out_path = path if out_path is None else Path(out_path).resolve()
     mode = path.stat().st_mode & 0o7777
+    check_digests(path)
     reader = gguf.GGUFReader(path, "r")
     arch = reader.fields["general.architecture"].contents()
-    with atomic_gguf_writer(out_path, arch, mode=mode) as w:
+    with _map_writer(out_path, arch, mode=mode) as w:
         for name, fld in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture" or drop_key(name):
+            if name.startswith("GGUF.") or name == "general.architecture" or name == KEY_DIGEST or drop_key(name):
                 continue
             kind = fld.types[0]
             sub = fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None

@@ -1,8 +1,9 @@
 """Map files loaded into libllama for one model: a thin owner of ``llama_ridgefill_maps``.
 
 The C loader checks the file against the model (type, format version, architecture, n_layer,
-n_embd, split, mapped layers, tensor shapes and types, finite values) and, given the model's
-file, the fingerprint of the model the maps were fitted on.
+n_embd, split, the range of its metadata numbers, mapped layers, tensor shapes and types, each
+tensor's content digest, finite values) and, given the model's file, the fingerprint of the model
+the maps were fitted on.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class NativeMaps:
     def has_state_gains(self) -> bool:
         """Whether the file holds terminal-state gains (``RidgeFill(state_correction="gain")``)."""
         return bool(N.llama_ridgefill_maps_has_state_gains(self.handle))
+
+    @property
+    def digest_checked(self) -> bool:
+        """Whether every tensor matched the file's content digest (False: the file has none)."""
+        return bool(N.llama_ridgefill_maps_digest_checked(self.handle))
 
     @property
     def placement(self) -> str:

@@ -16,6 +16,7 @@ generated tokens run every layer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -200,6 +201,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *args: Any, ridgefill: RidgeFill | str | os.PathLike | None = None,
                  rpc_servers: str | Sequence[str] | None = None, **kwargs: Any):
+        self._closed = False  # close() sets it
         self._rf: RidgeFill | None = None
         self.rpc_servers: str | None = None  # set below, once the servers answer
         self._rf_maps: NativeMaps | None = None
@@ -212,6 +214,9 @@ class Llama(llama_cpp.Llama):
         for name in ("n_threads", "n_threads_batch"):  # more than ggml's thread arrays hold crashes llama.cpp
             if kwargs.get(name) is not None:
                 check_int(name, kwargs[name], 1, MAX_THREADS, "; llama.cpp's GGML_MAX_N_THREADS is the most")
+        what = not_regular(model_path, follow_symlinks=True)
+        if what is not None:  # llama.cpp would block opening a FIFO, or fail on a device or directory
+            raise ValueError(f"{model_path}: the model file is {what}, not a regular file")
         if ridgefill is None:
             self._load(model_path, args, kwargs, rpc_servers)
             return
@@ -262,8 +267,24 @@ class Llama(llama_cpp.Llama):
             raise rpc.RpcServerLost(lost) from error
 
     def close(self) -> None:
+        """Free the model, the context and the maps. Every method that needs them raises
+        ``ValueError`` afterwards (llama-cpp-python's would crash the process)."""
+        self._closed = True
         if hasattr(self, "_stack"):  # not when __init__ refused the arguments before llama-cpp-python ran
             super().close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` freed the model and the context."""
+        return self._closed
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any):
+        # llama-cpp-python's sampler asserts on an empty context: an empty prompt of a model that
+        # adds no BOS token (llm("")) raised a bare AssertionError
+        if len(tokens) == 0 and self.n_tokens == 0:
+            raise ValueError("the prompt has no tokens (an empty prompt, and this model adds no BOS token): "
+                             "give at least one token")
+        return super().generate(tokens, *args, **kwargs)
 
     def set_ridgefill(self, ridgefill: RidgeFill | str | os.PathLike | None) -> None:
         """Prefill the next prompts with ``ridgefill`` (a :class:`RidgeFill`, or a map file path for
@@ -539,6 +560,33 @@ class Llama(llama_cpp.Llama):
         out = np.empty(n, dtype=np.float32)
         get(out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
         return out
+
+
+def _open_only(method):
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if self._closed:
+            raise ValueError(f"Llama.{method.__name__}: this Llama is closed (close() freed its model and context); "
+                             "create a new one")
+        return method(self, *args, **kwargs)
+    return checked
+
+
+#: the methods that use the model or the context: after close() they raise instead of crashing
+_NEEDS_OPEN = (
+    # llama-cpp-python's
+    "tokenize", "detokenize", "tokenizer", "eval", "sample", "generate", "create_embedding", "embed",
+    "create_completion", "__call__", "create_chat_completion", "create_chat_completion_openai_v1",
+    "save_state", "load_state", "n_ctx", "n_embd", "n_vocab", "token_eos", "token_bos", "token_nl",
+    "pooling_type",
+    # ours
+    "set_ridgefill", "prefill", "forget_cells", "ridgefill_value_scales", "ridgefill_key_scales",
+    "ridgefill_scores", "layer_devices", "read_kv", "read_state", "ridgefill_boundary_state",
+    "ridgefill_splice_state", "ridgefill_record_boundary_states",
+)
+for _name in _NEEDS_OPEN:
+    setattr(Llama, _name, _open_only(getattr(Llama, _name)))
+del _name
 
 
 __all__ = ["Llama", "RidgeFill", "SELECTORS", "TOKEN_CLASSES", "PLACEMENTS"]

@@ -68,8 +68,8 @@ def assert_degenerate_plans_are_stock(path, tokens, *, n_layer: int, split: int,
 
 @contextlib.contextmanager
 def captured_log():
-    """llama.cpp's log lines while the block runs (a list that fills up), then the usual logger again."""
-    from llama_cpp import _logger
+    """llama.cpp's log lines while the block runs (a list that fills up), then ridgefill_cpp's log callback again."""
+    from ridgefill_cpp import _log
 
     lines: list[str] = []
 
@@ -81,7 +81,7 @@ def captured_log():
     try:
         yield lines
     finally:
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+        _log.install()
 
 
 def early_graph_counts(calls: list[int], n_ubatch: int, n_prompt: int, n_sel_queries: int) -> tuple[int, int]:

@@ -62,6 +62,8 @@ def _assert_same_meta(got: MapFileMeta, want: MapFileMeta) -> None:
     from dataclasses import asdict
 
     for k, v in asdict(want).items():
+        if k == "digest":  # what the reader checked the file against, not a recorded value
+            continue
         g = getattr(got, k)
         if isinstance(v, float) or (isinstance(v, list) and v and isinstance(v[0], float)):
             assert g == pytest.approx(v, rel=1e-6), k
@@ -343,3 +345,145 @@ def test_a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_write
     write_map_file(target, _maps())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
     assert read_map_file(target).meta.split_layer == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# content digests and metadata ranges (#36)
+
+
+def corrupted_copy(src: Path, dst: Path, tensor: str, edit) -> Path:
+    """A byte-for-byte copy of the map file ``src`` whose tensor ``tensor`` has had ``edit`` (bytearray
+    -> None) applied to its data in place: what a bad copy or a flipped bit leaves."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    t = next(t for t in r.tensors if t.name == tensor)
+    offset, n = int(t.data_offset), int(t.n_bytes)
+    del r
+    data = bytearray(src.read_bytes())
+    chunk = bytearray(data[offset:offset + n])
+    edit(chunk)
+    assert len(chunk) == n
+    data[offset:offset + n] = chunk
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def without_digest(src: Path, dst: Path) -> Path:
+    """``src`` as a file written before content digests existed (every key but the digest)."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for name, fld in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", mapfile.KEY_DIGEST):
+            continue
+        kind = fld.types[0]
+        w.add_key_value(name, fld.contents(), kind, sub_type=fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def flip_byte(offset: int):
+    def edit(chunk: bytearray) -> None:
+        chunk[offset] ^= 0xFF
+    return edit
+
+
+def flip_exponent_bit(chunk: bytearray) -> None:
+    chunk[2 * 7 + 1] ^= 0x10  # element 7 of an F16 tensor: the high byte holds the exponent
+
+
+def set_to(value: float, dtype):
+    def edit(chunk: bytearray) -> None:
+        chunk[:] = np.full(len(chunk) // np.dtype(dtype).itemsize, value, dtype=dtype).tobytes()
+    return edit
+
+
+def test_every_tensor_has_a_digest_that_gguf_hash_would_print(tmp_path):
+    """``ridgefill.digest.xxh64``: one "NAME HEX" per tensor, XXH64 (seed 0) of the tensor's bytes
+    as stored (llama.cpp's ``llama-gguf-hash --xxh64`` prints the same per tensor)."""
+    import gguf
+    import xxhash
+
+    p = write_map_file(tmp_path / "m.gguf", _maps(), dtype="f16")
+    r = gguf.GGUFReader(p)
+    entries = r.fields[mapfile.KEY_DIGEST].contents()
+    want = {t.name: xxhash.xxh64(bytes(np.asarray(t.data).tobytes()), seed=0).hexdigest() for t in r.tensors}
+    assert dict(e.split(" ") for e in entries) == want and len(entries) == len(r.tensors) == 4
+    assert read_map_file(p).meta.digest == "xxh64"
+
+
+@pytest.mark.parametrize("edit, what", [(flip_byte(5), "one flipped byte"), (flip_exponent_bit, "one flipped exponent bit"),
+                                        (set_to(60000.0, np.float16), "the whole matrix set to 60000 (finite)")])
+def test_silently_corrupted_weights_are_refused_naming_the_tensor(tmp_path, edit, what):
+    good = write_map_file(tmp_path / "good.gguf", _maps(), dtype="f16")
+    bad = corrupted_copy(good, tmp_path / "bad.gguf", "blk.5.ridgefill_a.weight", edit)
+    with pytest.raises(MapFileError, match=r"bad\.gguf: tensor blk\.5\.ridgefill_a\.weight: its bytes give xxh64 [0-9a-f]{16}, "
+                                           r"the file records [0-9a-f]{16}: the file was corrupted"):
+        read_map_file(bad)
+
+
+def test_a_file_without_digests_still_reads_and_a_rewrite_adds_one(tmp_path):
+    old = without_digest(write_map_file(tmp_path / "m.gguf", _maps()), tmp_path / "old.gguf")
+    assert read_map_file(old).meta.digest == ""
+    out = mapfile.rewrite_map_file(old, tmp_path / "rewritten.gguf")
+    assert read_map_file(out).meta.digest == "xxh64"
+
+
+def test_a_rewrite_refuses_a_corrupted_source_instead_of_giving_it_a_fresh_digest(tmp_path):
+    good = write_map_file(tmp_path / "good.gguf", _maps())
+    bad = corrupted_copy(good, tmp_path / "bad.gguf", "blk.4.ridgefill_b.bias", flip_byte(0))
+    before = bad.read_bytes()
+    with pytest.raises(MapFileError, match=r"tensor blk\.4\.ridgefill_b\.bias: its bytes give"):
+        mapfile.write_tuned_defaults(bad, {"tail": 32, "exact_fraction": 0.1, "selector": "attention"})
+    assert bad.read_bytes() == before
+    tuned = mapfile.write_tuned_defaults(good, {"tail": 32, "exact_fraction": 0.1, "selector": "attention"})
+    assert read_map_file(tuned).meta.digest == "xxh64"  # tune's rewrite carries a digest of what it wrote
+
+
+def _with_key(src: Path, dst: Path, key: str, value, kind) -> Path:
+    return mapfile.rewrite_map_file(src, dst, drop_key=lambda k: k == key, add_keys=[(key, value, kind)])
+
+
+def test_every_metadata_number_is_range_checked_naming_its_key(tmp_path):
+    """A NaN or negative ``input_norm_eps`` passed every check and then aborted libllama at the first
+    planned prompt (GGML_ASSERT(eps >= 0)); every number a map file records is now range-checked on
+    read, the error naming the key."""
+    import gguf
+
+    F32, U32, F64 = gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT64
+    good = write_map_file(tmp_path / "good.gguf", _maps())
+    arr = gguf.GGUFValueType.ARRAY
+    cases = [
+        (mapfile.KEY_INPUT_NORM_EPS, float("nan"), F32, "ridgefill.input_norm_eps = nan outside"),
+        (mapfile.KEY_INPUT_NORM_EPS, -1e-6, F32, "ridgefill.input_norm_eps = -1e-06 outside"),
+        (mapfile.KEY_INPUT_NORM_EPS, float("inf"), F32, "ridgefill.input_norm_eps = inf outside"),
+        (mapfile.KEY_INPUT_NORM_EPS, "1e-6", gguf.GGUFValueType.STRING, "ridgefill.input_norm_eps = '1e-6' is not a number"),
+        (mapfile.KEY_SPLIT, 5, U32, "ridgefill.split_layer = 5 outside 1..4"),
+        (mapfile.KEY_N_EMBD, 0, U32, "ridgefill.n_embd = 0 outside"),
+        (mapfile.KEY_CALIB_TOKENS, "many", gguf.GGUFValueType.STRING, "ridgefill.calibration.n_tokens = 'many' is not a non-negative integer"),
+        (mapfile.KEY_LAMBDA, [float("nan"), 0.1], arr, "ridgefill.lambda has nan"),
+        (mapfile.KEY_R2, [0.5, 2.0], arr, "ridgefill.quality.r2 has 2, outside [-inf, 1]"),
+        (mapfile.KEY_REL_ERR, [-1.0, 0.1], arr, "ridgefill.quality.rel_err_median has -1, outside [0, inf]"),
+        ("ridgefill.tuned.tail", 0, U32, "ridgefill.tuned.tail"),
+        ("ridgefill.tuned.exact_fraction", 1.5, F64, "ridgefill.tuned.exact_fraction"),
+        ("ridgefill.tuned.speedup", float("nan"), F64, "ridgefill.tuned.speedup = nan is not a finite number"),
+    ]
+    for i, (key, value, kind, message) in enumerate(cases):
+        if key.startswith(mapfile.TUNED_PREFIX):  # the other tuned keys a tuned file has
+            src = mapfile.write_tuned_defaults(write_map_file(tmp_path / f"t{i}.gguf", _maps()),
+                                               {"tail": 32, "exact_fraction": 0.1, "selector": "attention"})
+        else:
+            src = good
+        bad = _with_key(src, tmp_path / f"bad{i}.gguf", key, value, kind)
+        with pytest.raises(MapFileError, match=f"bad{i}.gguf: .*{__import__('re').escape(message)}"):
+            if key.startswith(mapfile.TUNED_PREFIX):
+                mapfile.read_tuned_defaults(bad)
+            else:
+                read_map_file(bad)

@@ -224,3 +224,78 @@ def test_llama_server_refuses_maps_of_another_checkpoint(fitted, tiny_models, tm
     assert proc.returncode != 0
     log = proc.stdout + proc.stderr
     assert "another checkpoint" in log and "seed3.gguf" in log, log[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# content digests and metadata ranges in libllama's loader (#36)
+
+
+def test_loader_checks_each_tensors_digest(llm, fitted, tmp_path):
+    """Silently corrupted weights (one flipped byte, one flipped exponent bit, a matrix set to 60000:
+    all finite) loaded and prefilled without a word; libllama's loader now checks each tensor's
+    XXH64 against the file's digest and names the tensor."""
+    from prefill_helpers import captured_log
+    from test_mapfile import corrupted_copy, flip_byte, flip_exponent_bit, set_to, without_digest
+
+    model_path, f16, f32 = fitted["llama"]
+    for f in (f16, f32):
+        with NativeMaps(llm._model.model, f, model_path=model_path) as m:
+            assert m.digest_checked
+    for i, (tensor, edit) in enumerate((("blk.5.ridgefill_a.weight", flip_byte(11)),
+                                        ("blk.5.ridgefill_a.weight", flip_exponent_bit),
+                                        ("blk.5.ridgefill_a.weight", set_to(60000.0, np.float16)),
+                                        ("blk.5.ridgefill_b.bias", flip_byte(0)))):
+        bad = corrupted_copy(f16, tmp_path / f"bad{i}.gguf", tensor, edit)
+        _expect_refusal(llm, bad, rf"bad{i}\.gguf: tensor {tensor}: its bytes give xxh64 [0-9a-f]{{16}}, the file records "
+                        r"[0-9a-f]{16}: the file was corrupted after it was written", model_path=model_path)
+    # a file written before digests existed loads, with a warning
+    old = without_digest(f16, tmp_path / "old.gguf")
+    with captured_log() as log:
+        with NativeMaps(llm._model.model, old, model_path=model_path) as m:
+            assert not m.digest_checked
+    assert any("has no content digest" in line for line in log), log
+
+
+def test_loader_range_checks_input_norm_eps(llm, fitted, tmp_path):
+    """A NaN or negative ridgefill.input_norm_eps loaded and then aborted the process at the first
+    planned prompt (GGML_ASSERT(eps >= 0) in ggml_rms_norm); the loader refuses it naming the key."""
+    import gguf
+
+    model_path, f16, _ = fitted["llama"]
+    for i, eps in enumerate((float("nan"), -1e-6, float("inf"), 0.5)):
+        bad = mapfile.rewrite_map_file(f16, tmp_path / f"eps{i}.gguf", drop_key=lambda k: k == mapfile.KEY_INPUT_NORM_EPS,
+                                       add_keys=[(mapfile.KEY_INPUT_NORM_EPS, eps, gguf.GGUFValueType.FLOAT32)])
+        _expect_refusal(llm, bad, rf"eps{i}\.gguf: metadata key ridgefill\.input_norm_eps = [-a-z0-9.e]+ outside \[0, 0\.01\]",
+                        model_path=model_path)
+
+
+def test_every_entry_point_refuses_corrupted_maps(fitted, tiny_models, tmp_path):
+    """Llama(..., ridgefill=...), ridgefill-gguf info and serve, and llama-server started directly:
+    a corrupted map file or a NaN input_norm_eps is refused before any prompt runs."""
+    import subprocess
+
+    import gguf
+    from typer.testing import CliRunner
+
+    import ridgefill_cpp
+    from ridgefill_cpp import Llama, RidgeFill
+    from ridgefill_cpp.cli import app
+    from ridgefill_cpp.serve import check_ridgefill
+    from test_mapfile import corrupted_copy, flip_byte
+
+    model_path, f16, _ = fitted["llama"]
+    corrupt = corrupted_copy(f16, tmp_path / "corrupt.gguf", "blk.5.ridgefill_a.weight", flip_byte(3))
+    nan_eps = mapfile.rewrite_map_file(f16, tmp_path / "naneps.gguf", drop_key=lambda k: k == mapfile.KEY_INPUT_NORM_EPS,
+                                       add_keys=[(mapfile.KEY_INPUT_NORM_EPS, float("nan"), gguf.GGUFValueType.FLOAT32)])
+    why = {corrupt: "tensor blk.5.ridgefill_a.weight: its bytes give xxh64", nan_eps: "ridgefill.input_norm_eps = nan outside"}
+    server = ridgefill_cpp.build_info()["llama_server"]
+    for bad, message in why.items():
+        with pytest.raises(MapFileError, match=message.replace(".", r"\.")):
+            Llama(str(model_path), n_ctx=256, verbose=False, ridgefill=RidgeFill(bad, min_prompt=8))
+        res = CliRunner().invoke(app, ["info", str(bad)])
+        assert res.exit_code == 1 and message in res.output, res.output
+        with pytest.raises(MapFileError, match=message.replace(".", r"\.")):
+            check_ridgefill(model_path, RidgeFill(bad))
+        proc = subprocess.run([server, "-m", str(model_path), "--ridgefill-maps", str(bad), "--host", "127.0.0.1",
+                               "--port", "0", "-c", "256"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]

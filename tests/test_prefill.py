@@ -538,6 +538,111 @@ def test_detach_and_close(tiny_models, map_files, prompt):
     assert ridgefill_cpp.Llama is Llama
 
 
+def _run_python(code: str, timeout: float = 120):
+    """``code`` in a fresh interpreter with this package importable: a crash or a hang fails the
+    test instead of the suite."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(ridgefill_cpp.__file__).resolve().parent.parent))
+    return subprocess.run([sys.executable, "-c", code], env=env, timeout=timeout, capture_output=True, text=True)
+
+
+def test_use_after_close_raises_instead_of_crashing(tiny_models, map_files):
+    """After close(), prefill, eval, tokenize, __call__, set_ridgefill and the rest of the methods
+    that need the model raise ValueError (before: SIGSEGV; set_ridgefill said "model and path are
+    required"), with and without RidgeFill."""
+    calls = ["prefill([1, 2, 3])", "eval([1, 2, 3])", "tokenize(b'hello')", "detokenize([1, 2])", "__call__('hi', max_tokens=1)",
+             "create_completion('hi', max_tokens=1)", "set_ridgefill(None)", f"set_ridgefill({str(map_files['llama'])!r})",
+             "n_vocab()", "token_bos()", "save_state()", "read_kv(1, [0])", "layer_devices()",
+             "create_chat_completion([{'role': 'user', 'content': 'hi'}], max_tokens=1)"]
+    code = ("import ridgefill_cpp\nfrom ridgefill_cpp import Llama, RidgeFill\n"
+            f"for rf in (None, RidgeFill.identity(split=3, min_prompt=8, tail=4)):\n"
+            f"    llm = Llama({str(tiny_models['llama'])!r}, n_ctx=256, verbose=False, ridgefill=rf)\n"
+            "    llm.close(); llm.close()\n"
+            "    assert llm.closed\n"
+            f"    for call in {calls!r}:\n"
+            "        try:\n            eval('llm.' + call)\n            print('accepted', call)\n"
+            "        except ValueError as e:\n            print(e)\n")
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 * len(calls), lines
+    for line, call in zip(lines, calls * 2):
+        name = call.split("(")[0]
+        assert line == f"Llama.{name}: this Llama is closed (close() freed its model and context); create a new one", (call, line)
+
+
+def test_a_model_path_that_is_not_a_regular_file_is_refused(tiny_models, tmp_path):
+    """Llama(FIFO) blocked forever in llama.cpp's loader without RidgeFill (with it, the map file's
+    checks came first); now a FIFO or a directory is refused by name at once, with or without."""
+    import os
+
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    code = ("import ridgefill_cpp\nfrom ridgefill_cpp import Llama, RidgeFill\n"
+            f"for path in ({str(fifo)!r}, {str(tmp_path)!r}):\n"
+            "    for rf in (None, RidgeFill.identity(split=3)):\n"
+            "        try:\n            Llama(path, verbose=False, ridgefill=rf)\n            print('accepted')\n"
+            "        except ValueError as e:\n            print(e)\n")
+    proc = _run_python(code, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [f"{fifo}: the model file is a FIFO, not a regular file"] * 2 + \
+        [f"{tmp_path}: the model file is a directory, not a regular file"] * 2
+
+
+def test_an_empty_prompt_is_a_clear_error(tiny_models, tmp_path):
+    """llm("") on a model that adds no BOS token (SmolLM2's tokenizer) gave llama-cpp-python's bare
+    AssertionError."""
+    from ridgefill_cpp.gguf_copy import copy_gguf
+
+    no_bos = copy_gguf(tiny_models["llama"], tmp_path / "no-bos.gguf", metadata={"tokenizer.ggml.add_bos_token": False})
+    for rf in (None, RidgeFill.identity(split=3)):
+        llm = Llama(str(no_bos), ridgefill=rf, **ctx_kwargs())
+        try:
+            assert llm.tokenize(b"", add_bos=True) == []
+            with pytest.raises(ValueError, match="the prompt has no tokens"):
+                llm("", max_tokens=2)
+            assert llm("hello", max_tokens=2)["choices"][0]["text"] is not None  # still usable
+        finally:
+            llm.close()
+
+
+def test_backend_sampling_and_embeddings_make_the_plan_step_aside(tiny_models, prompt):
+    """Outputs computed inside the graph of a prompt's last ubatch - a backend sampler on the
+    sequence (llama_set_sampler), embeddings switched on after attaching - would read the early
+    phase's rows before the late layers ran. libllama then runs the prompt stock (no plan, a log
+    line), so the backend sampler picks stock's greedy token; without them the prompt is planned."""
+    rf = RidgeFill.identity(split=3, tail=16, min_prompt=64, exact_fraction=0.1)
+    want = int(np.argmax(stock_logits(tiny_models["llama"], prompt)))
+    llm = Llama(str(tiny_models["llama"]), ridgefill=rf, **ctx_kwargs())
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    try:
+        assert llama_cpp.llama_set_sampler(llm._ctx.ctx, 0, chain)
+        with captured_log() as log:
+            llm.prefill(prompt)
+        assert llm.ridgefill_stats == {}
+        assert any("samples on the backend (llama_set_sampler)" in line for line in log), log
+        assert llama_cpp.llama_get_sampled_token_ith(llm._ctx.ctx, -1) == want
+        llama_cpp.llama_set_sampler(llm._ctx.ctx, 0, None)
+
+        llm.reset()
+        llama_cpp.llama_set_embeddings(llm._ctx.ctx, True)
+        with captured_log() as log:
+            llm.prefill(prompt)
+        assert llm.ridgefill_stats == {} and any("computes embeddings" in line for line in log), log
+        llama_cpp.llama_set_embeddings(llm._ctx.ctx, False)
+
+        llm.reset()
+        llm.prefill(prompt)
+        assert llm.ridgefill_stats["n_filled"] > 0  # planned again
+    finally:
+        llm.close()
+        llama_cpp.llama_sampler_free(chain)
+
+
 @pytest.mark.parametrize("arch", DENSE)
 def test_graph_reuse_never_crosses_phases(arch, tiny_models, oracles, prompt, map_files, monkeypatch):
     """Stock decode graphs after a RidgeFill prefill (and RidgeFill graphs after stock ones) are

@@ -700,7 +700,7 @@ def test_huge_and_malformed_requests_get_short_400s(tiny):
                              json.dumps({"prompt": "hello", "n_predict": 2, "ridgefill": {"selector": huge}}).encode())
     assert status == 400 and len(body) < 2000, (status, len(body))
     msg = json.loads(body)["error"]["message"]
-    assert '"selector" must be one of' in msg and "(1000002 bytes)" in msg, msg
+    assert '"selector" must be one of' in msg and "(a string of 1000000 bytes)" in msg, msg
     status, body = _post_raw(tiny.url + "/completion",
                              json.dumps({"prompt": "hello", "ridgefill": {huge: 1}}).encode())
     assert status == 400 and len(body) < 2000 and "unknown member" in json.loads(body)["error"]["message"]
@@ -728,3 +728,134 @@ def test_key_rescale_in_the_server_matches_the_library(tiny_models, tmp_path):
     assert res["ridgefill"]["applied"] and res["ridgefill"]["key_rescale"] == props["key_rescale"] == 8
     without = _library(model, prompt, RidgeFill.identity(**TINY_RF))
     assert max(abs(without[0].get(t, 0.0) - p) for t, p in lib[0].items()) > 1e-4  # the scales changed the answer
+
+
+# ------------------------------------------------------------------------------------------------
+# hostile values, and what llama.cpp's own server tests found (#36)
+
+ENDPOINTS = ("/completion", "/v1/completions", "/v1/chat/completions")
+
+
+def _body(endpoint: str, ridgefill_json: str, n_predict: int = 1) -> bytes:
+    """A request to ``endpoint`` whose "ridgefill" member is the raw JSON text ``ridgefill_json``."""
+    if endpoint == "/v1/chat/completions":
+        head = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": %d, "ridgefill": ' % n_predict
+    elif endpoint == "/v1/completions":
+        head = '{"prompt": "hi", "max_tokens": %d, "ridgefill": ' % n_predict
+    else:
+        head = '{"prompt": "hi", "n_predict": %d, "ridgefill": ' % n_predict
+    return (head + ridgefill_json + "}").encode()
+
+
+def _hostile_values() -> list[str]:
+    """Deeply nested, long and wrong-typed values of the "ridgefill" member (raw JSON)."""
+    deep = 100_000
+    return [
+        "[" * deep + "]" * deep,                                   # the value that crashed the server
+        '{"a":' * deep + "1" + "}" * deep,                         # nested objects
+        '{"tail":' + "[" * deep + "]" * deep + "}",                # nested inside a known member
+        '{"selector":' + '{"x":' * 20_000 + "0" + "}" * 20_000 + "}",
+        "[" + ",".join(['[1,2,{"s":"' + "y" * 50 + '"}]'] * 20_000) + "]",  # long and wide
+        '"' + "z" * 500_000 + '"',
+        '{"' + "k" * 200_000 + '": 1}',
+        "1e400", "-0", "null", "3.5", '"true"', "[false]", '{"span": 1e30}', '{"tail": -9223372036854775808}',
+        '{"exact_fraction": "0.5"}', '{"selector": ["attention"]}', '{"tail": 1, "tail": 2, "span": null}',
+    ]
+
+
+def test_deeply_nested_ridgefill_values_get_a_400_and_the_server_stays_up(tiny_models, tmp_path):
+    """A "ridgefill" value nested 100,000 deep crashed llama-server (SIGSEGV: the error message
+    dumped the whole value, recursing once per level); now every hostile value gets a short 400 on
+    all three endpoints, on a server with RidgeFill and on one without, which keeps serving."""
+    model = tiny_models["llama"]
+    args = [a for a in TINY_ARGS if a != "--metrics"]
+    for rf in (RidgeFill.identity(**TINY_RF), None):
+        with Server(model, rf, extra_args=args, log_path=tmp_path / f"{rf is None}.log", startup_timeout=60) as s:
+            for endpoint in ENDPOINTS:
+                status, body = _post_raw(s.url + endpoint, _body(endpoint, "[" * 100_000 + "]" * 100_000))
+                assert status == 400 and len(body) < 2000, (endpoint, status, body[:200])
+                msg = json.loads(body)["error"]["message"]
+                assert "an array of 1 elements" in msg or "without RidgeFill" in msg, msg
+                assert s.process.poll() is None, f"the server died on a nested value at {endpoint}"
+            status, res = _post(s.url + "/completion", {"prompt": "hello", "n_predict": 2})
+            assert status == 200 and res["content"] is not None
+
+
+def test_bounded_fuzz_of_ridgefill_values_on_all_endpoints(tiny):
+    """A bounded fuzz (loopback only): 18 hostile values and 60 random ones, each sent to the three
+    endpoints; every answer is a 200 or a short 400, and the server stays up."""
+    rng = np.random.default_rng(36)
+    atoms = ['0', '1', '-1', '64', '1e9', '0.5', '2.5', 'true', 'false', 'null', '"attention"', '"probe"', '"x"',
+             '""', '[]', '{}']
+    keys = ["tail", "exact_fraction", "selector", "span", "key_rescale", "", "TAIL"]
+
+    def random_value(depth: int = 0) -> str:
+        r = rng.random()
+        if depth > 3 or r < 0.4:
+            return atoms[rng.integers(len(atoms))]
+        if r < 0.7:
+            n = int(rng.integers(0, 4))
+            return "{" + ",".join(f'"{keys[rng.integers(len(keys))]}": {random_value(depth + 1)}' for _ in range(n)) + "}"
+        return "[" + ",".join(random_value(depth + 1) for _ in range(int(rng.integers(0, 3)))) + "]"
+
+    values = _hostile_values() + [random_value() for _ in range(60)]
+    t0 = time.monotonic()
+    seen = {}
+    for v in values:
+        for endpoint in ENDPOINTS:
+            status, body = _post_raw(tiny.url + endpoint, _body(endpoint, v), timeout=60)
+            assert status in (200, 400) and (status == 200 or len(body) < 2000), (endpoint, v[:80], status, body[:200])
+            seen[status] = seen.get(status, 0) + 1
+            assert tiny.process.poll() is None, f"the server died on {v[:80]!r} at {endpoint}"
+    assert seen.get(400, 0) >= 3 * len(_hostile_values()) - 3 and seen.get(200, 0) > 0, seen
+    assert time.monotonic() - t0 < 300
+    assert _get(tiny.url + "/health")[0] == 200
+
+
+def test_embedding_and_reranking_servers_run_stock_with_one_log_line(tiny_models, tmp_path):
+    """--embedding (or --reranking) with a RidgeFill flag: the server starts and serves embeddings
+    equal to a stock server's, saying once in its log that RidgeFill is off and why (before: it
+    exited at start, "embeddings contexts are not supported")."""
+    model = tiny_models["llama"]
+    args = ["-c", "1024", "-np", "1", "-b", "512", "-ub", "512", "--threads", "1", "-ngl", "0", "--no-warmup", "--embedding",
+            "--pooling", "mean"]
+    prompt = _prompt(model, 300)
+    got = {}
+    for name, rf in (("stock", None), ("ridgefill", RidgeFill.identity(**TINY_RF))):
+        with Server(model, rf, extra_args=args, log_path=tmp_path / f"{name}.log", startup_timeout=60) as s:
+            status, res = _post(s.url + "/embedding", {"content": prompt})
+            assert status == 200, res
+            got[name] = np.array(res[0]["embedding"], dtype=np.float64).ravel()
+            if rf is not None:
+                assert s.log().count("RidgeFill: off for this server: embeddings and reranking") == 1, s.log()
+                assert "ridgefill" not in json.loads(_get(s.url + "/props")[1])
+    assert got["ridgefill"].shape == got["stock"].shape and np.allclose(got["ridgefill"], got["stock"], atol=1e-5)
+
+
+def test_backend_sampling_requests_run_stock_prefill_and_sample_the_greedy_token(tiny_models, tmp_path):
+    """A request with backend sampling ("backend_sampling": true, post-sampling probabilities) on a
+    planned prompt sampled inside the early phase's graph, before the late layers ran: token 0 or
+    unrelated tokens with probability 0 (llama.cpp's test_n_probs_post_backend_sampling). It now runs
+    stock prefill (the response says why, the log too) and answers stock's greedy tokens; the same
+    request without backend sampling is planned."""
+    model = tiny_models["llama"]
+    prompt = _prompt(model, 300)
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "n_probs": 1, "post_sampling_probs": True,
+            "backend_sampling": True, "cache_prompt": False, "return_tokens": True}
+    res = {}
+    for name, rf in (("stock", None), ("ridgefill", RidgeFill.identity(**TINY_RF))):
+        with Server(model, rf, extra_args=[*TINY_ARGS, "--backend-sampling"], log_path=tmp_path / f"{name}.log",
+                    startup_timeout=60) as s:
+            for np_ in ("backend", "host"):
+                status, r = _post(s.url + "/completion", {**body, "backend_sampling": np_ == "backend"})
+                assert status == 200, r
+                res[name, np_] = r
+            if rf is not None:
+                assert "the request samples on the backend" in s.log()
+    for where in ("backend", "host"):
+        assert res["stock", where]["tokens"] == res["stock", "host"]["tokens"]
+    rb = res["ridgefill", "backend"]
+    assert rb["tokens"] == res["stock", "host"]["tokens"], (rb["tokens"], res["stock", "host"]["tokens"])
+    assert not rb["ridgefill"]["applied"] and "backend sampling" in rb["ridgefill"]["reason"]
+    assert all(p["prob"] > 0.0 for t in rb["completion_probabilities"] for p in t["top_probs"]), rb
+    assert res["ridgefill", "host"]["ridgefill"]["applied"]

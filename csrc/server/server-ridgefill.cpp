@@ -50,6 +50,15 @@ bool server_ridgefill_configured(const common_params_ridgefill & params) {
     return !params.maps.empty() || params.split >= 0;
 }
 
+std::string server_ridgefill_disable_for_embeddings(common_params_ridgefill & params, bool embedding) {
+    if (!embedding || !server_ridgefill_configured(params)) {
+        return "";
+    }
+    params = common_params_ridgefill();
+    return "RidgeFill: off for this server: embeddings and reranking (--embedding, --reranking) pool every layer "
+           "of every prompt row, which RidgeFill skips; prompts run stock prefill";
+}
+
 common_json server_ridgefill_props(const common_params_ridgefill & params) {
     common_json res;
     res["maps"]           = params.maps;
@@ -63,17 +72,52 @@ common_json server_ridgefill_props(const common_params_ridgefill & params) {
     return res;
 }
 
-// a client's value in an error message, cut so that a huge value does not come back whole
-static std::string rf_quote(const std::string & dumped) {
-    const size_t max_len = 64;
-    if (dumped.size() <= max_len) {
-        return dumped;
+// a client's value in an error message: the first RF_QUOTE_MAX characters of its JSON text, written
+// without visiting more of the value than those characters show. nlohmann's dump() recurses once
+// per level of nesting, so a value nested 100,000 deep would overflow the stack; here each level
+// writes at least one character, which bounds the depth by RF_QUOTE_MAX as well
+static const size_t RF_QUOTE_MAX = 64;
+
+static void rf_dump_bounded(const common_json & value, std::string & out) {
+    if (value.is_array() || value.is_object()) {
+        const bool is_array = value.is_array();
+        out += is_array ? '[' : '{';
+        for (auto it = value.begin(); it != value.end(); ++it) {
+            if (out.size() > RF_QUOTE_MAX) {
+                return;
+            }
+            if (it != value.begin()) {
+                out += ',';
+            }
+            if (!is_array) {
+                rf_dump_bounded(common_json(it.key()), out);
+                out += ':';
+            }
+            rf_dump_bounded(it.value(), out);
+        }
+        out += is_array ? ']' : '}';
+    } else if (value.is_string()) {
+        // a long string is cut before it is escaped
+        out += common_json(value.get<std::string>().substr(0, RF_QUOTE_MAX + 1)).dump_safe();
+    } else {
+        out += value.dump();
     }
-    return dumped.substr(0, max_len) + "... (" + std::to_string(dumped.size()) + " bytes)";
 }
 
 static std::string rf_quote(const common_json & value) {
-    return rf_quote(value.dump());
+    std::string out;
+    rf_dump_bounded(value, out);
+    if (out.size() <= RF_QUOTE_MAX) {
+        return out;
+    }
+    out.resize(RF_QUOTE_MAX);
+    if (value.is_string()) {
+        return out + "... (a string of " + std::to_string(value.get<std::string>().size()) + " bytes)";
+    }
+    if (value.is_array()) {
+        return out + "... (an array of " + std::to_string(value.size()) + " elements)";
+    }
+    return out + "... (an object of " + std::to_string(value.size()) + " members)";
 }
 
 server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server) {
@@ -215,7 +259,7 @@ llama_ridgefill_params server_ridgefill::params_for(const server_ridgefill_reque
 }
 
 bool server_ridgefill::wants(const server_ridgefill_request & req, int32_t n_rows) const {
-    if (exact(req)) {
+    if (exact(req) || req.backend_sampling) {
         return false;
     }
     const llama_ridgefill_params p = params_for(req);
@@ -240,8 +284,13 @@ int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_
     const llama_ridgefill_params p = params_for(req);
     if (!wants(req, n_rows)) {
         stats["reason"] = !req.enabled ? "exact prefill requested" :
+                          req.backend_sampling ? "backend sampling: the sampler runs inside the prompt's graph, before RidgeFill's late layers" :
                           n_rows <= p.n_tail ? "no more new prompt rows than the tail" :
                           "fewer new prompt rows than --ridgefill-min-prompt";
+        if (req.enabled && req.backend_sampling) {
+            LOG_INF("%s: RidgeFill: stock prefill for a prompt of %d new rows: the request samples on the backend "
+                    "(backend_sampling), inside the prompt's graph\n", __func__, n_rows);
+        }
         return 0;
     }
 

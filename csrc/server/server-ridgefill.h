@@ -33,6 +33,10 @@ struct server_ridgefill_request {
     double  exact_fraction = -1.0; // < 0: the server's --ridgefill-exact-fraction
     int32_t selector       = -1;   // enum llama_ridgefill_selector, -1: the server's --ridgefill-selector
     int32_t span           = -1;   // -1: the server's --ridgefill-span
+
+    // set by the server, not the client: the request samples inside the graph (backend sampling),
+    // from the last ubatch's logits before a plan's late layers have run, so its prompt runs stock
+    bool    backend_sampling = false;
 };
 
 // the selectors by name: none, attention, probe, protected, attention+protected; -1 when unknown
@@ -48,6 +52,11 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
 
 // whether the server's command line asks for RidgeFill
 bool server_ridgefill_configured(const common_params_ridgefill & params);
+
+// An embeddings or reranking server (--embedding, --reranking) pools every layer of every prompt
+// row, which a plan does not compute: RidgeFill is off for it. With embedding and RidgeFill
+// configured, clears params and returns the line to log once; "" otherwise
+std::string server_ridgefill_disable_for_embeddings(common_params_ridgefill & params, bool embedding);
 
 // The KV cache of several slots. RidgeFill runs on one unified KV stream. Without --kv-unified
 // from the user, each slot keeps the cells it has on a stock server: the total n_ctx below, then
