@@ -18,7 +18,7 @@ export CCACHE_NOHASHDIR := 1
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 export RIDGEFILL_CACHE  := $(CACHE)
 
-.PHONY: setup venv llama-cpp-python native models test demo clean
+.PHONY: setup venv llama-cpp-python native models test demo peer-tests gpu-pack clean
 
 setup: native models
 
@@ -53,6 +53,16 @@ test: setup
 
 demo: setup
 	$(VENV)/bin/ridgefill-gguf demo
+
+# llama.cpp's own server tests against the patched llama-server, stock and with RidgeFill; prints
+# the tests whose outcome differs (tools/peer_server_tests.py; not part of CI, tens of minutes)
+peer-tests: setup
+	$(VPY) tools/peer_server_tests.py $(PEER_ARGS)
+
+# a GPU device run, prepared here: the CUDA libraries (sm_90) and wheels in gpu-pack/ (tools/gpu_pack.sh;
+# about 18 min on 2 cores the first time); the device command is tools/gpu_device.sh
+gpu-pack: setup
+	tools/gpu_pack.sh
 
 clean:
 	rm -rf build .cache $(VENV)

@@ -16,10 +16,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <chrono>
 #include <map>
 #include <stdexcept>
 

@@ -281,6 +281,8 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
                    "in pinned host memory, streamed to the GPU once per layer, with RidgeFill(placement=\"host\"); "
                    "the same on CPU"),
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
+        ("content digest", "XXH64 of every tensor, checked: the weights are as written" if meta.digest else
+                           "none (written before map files had one): corrupted weights cannot be detected; fit again to add one"),
     ]:
         t.add_row(k, v)
     if gains:

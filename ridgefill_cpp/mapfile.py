@@ -621,7 +621,10 @@ def state_gain_problems(gains: dict[int, np.ndarray], meta: MapFileMeta, model_p
 
 def tuned_defaults_from_metadata(md: dict[str, Any], path: os.PathLike | str = "") -> dict[str, Any] | None:
     """The ``ridgefill.tuned.*`` values of a map file's metadata as ``{short name: value}``, or None
-    when it has none. Raises :class:`MapFileError` on unknown, missing or ill-typed tuned keys."""
+    when it has none. Raises :class:`MapFileError` on unknown, missing or ill-typed tuned keys, a
+    negative integer or a non-finite number. (Whether a tuned tail, fraction or span is a usable
+    setting is checked where it applies, naming the key: :class:`ridgefill_cpp.RidgeFill`, where an
+    explicit argument wins over the file's value.)"""
     found = {k[len(TUNED_PREFIX):]: v for k, v in md.items() if k.startswith(TUNED_PREFIX)}
     if not found:
         return None
@@ -639,11 +642,6 @@ def tuned_defaults_from_metadata(md: dict[str, Any], path: os.PathLike | str = "
         if (kind == "UINT32" and not 0 <= value < 2**32) or (kind == "FLOAT64" and not math.isfinite(value)):
             raise MapFileError(f"{where}{TUNED_PREFIX}{name} = {value!r} is not a "
                                f"{'non-negative 32-bit integer' if kind == 'UINT32' else 'finite number'}")
-        if name in ("tail", "exact_fraction", "span"):  # what RidgeFill(path) passes to libllama
-            try:
-                check_setting(name, value, label=f"{TUNED_PREFIX}{name}")
-            except ValueError as e:
-                raise MapFileError(f"{where}{e}") from None
         out[name] = float(value) if kind == "FLOAT64" else value
     missing = [k for k, (_, req, _) in TUNED_KEYS.items() if req and k not in out]
     if missing:

@@ -471,9 +471,8 @@ def test_every_metadata_number_is_range_checked_naming_its_key(tmp_path):
         (mapfile.KEY_LAMBDA, [float("nan"), 0.1], arr, "ridgefill.lambda has nan"),
         (mapfile.KEY_R2, [0.5, 2.0], arr, "ridgefill.quality.r2 has 2, outside [-inf, 1]"),
         (mapfile.KEY_REL_ERR, [-1.0, 0.1], arr, "ridgefill.quality.rel_err_median has -1, outside [0, inf]"),
-        ("ridgefill.tuned.tail", 0, U32, "ridgefill.tuned.tail"),
-        ("ridgefill.tuned.exact_fraction", 1.5, F64, "ridgefill.tuned.exact_fraction"),
         ("ridgefill.tuned.speedup", float("nan"), F64, "ridgefill.tuned.speedup = nan is not a finite number"),
+        ("ridgefill.tuned.budget", float("inf"), F64, "ridgefill.tuned.budget = inf is not a finite number"),
     ]
     for i, (key, value, kind, message) in enumerate(cases):
         if key.startswith(mapfile.TUNED_PREFIX):  # the other tuned keys a tuned file has
@@ -487,3 +486,20 @@ def test_every_metadata_number_is_range_checked_naming_its_key(tmp_path):
                 mapfile.read_tuned_defaults(bad)
             else:
                 read_map_file(bad)
+
+
+def test_a_tuned_setting_out_of_range_is_refused_where_it_applies(tmp_path):
+    """A tuned tail or fraction that is no usable setting is refused by RidgeFill(path), naming the
+    key; an explicit argument still wins over it."""
+    import gguf
+
+    from ridgefill_cpp import RidgeFill
+
+    src = mapfile.write_tuned_defaults(write_map_file(tmp_path / "t.gguf", _maps()),
+                                       {"tail": 32, "exact_fraction": 0.1, "selector": "attention"})
+    for key, value, kind, message in (("tail", 0, gguf.GGUFValueType.UINT32, "tail 0 must be >= 1"),
+                                      ("exact_fraction", 1.5, gguf.GGUFValueType.FLOAT64, "exact_fraction 1.5")):
+        bad = _with_key(src, tmp_path / f"bad-{key}.gguf", mapfile.TUNED_PREFIX + key, value, kind)
+        with pytest.raises(ValueError, match=f"{message}.*the map file's tuned value, ridgefill\\.tuned\\.{key}"):
+            RidgeFill(bad)
+        assert getattr(RidgeFill(bad, **{key: 0.2 if key == "exact_fraction" else 16}), key) in (0.2, 16)

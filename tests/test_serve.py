@@ -589,3 +589,29 @@ def test_cli_argument_errors_start_nothing(cli, tiny_models, maps, tmp_path, mon
     for args, message in cases:
         r = cli("serve", *args)
         assert r.exit_code != 0 and message in " ".join(r.output.split()), (args, r.output)
+
+
+def test_peer_suite_tool_reads_junit_and_lists_the_differences(tmp_path):
+    """tools/peer_server_tests.py (make peer-tests; not run in CI): its JUnit reading, the list of
+    differing tests with their expected reasons, and the pytest plugin it writes into the suite."""
+    import ast
+
+    import peer_server_tests as peer
+
+    junit = tmp_path / "r.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="unit.test_a" name="test_ok"/>'
+                     '<testcase classname="unit.test_a" name="test_bad"><failure message="x"/></testcase>'
+                     '<testcase classname="unit.test_slot_save" name="test_slot_save_restore"><skipped/></testcase>'
+                     '</testsuite></testsuites>')
+    got = peer.outcomes(junit)
+    assert got == {"unit.test_a::test_ok": "passed", "unit.test_a::test_bad": "failed",
+                   "unit.test_slot_save::test_slot_save_restore": "skipped"}
+    rf = dict(got, **{"unit.test_a::test_ok": "failed", "unit.test_slot_save::test_slot_save_restore": "failed"})
+    diffs = peer.differences(got, rf)
+    assert [d["test"] for d in diffs] == ["unit.test_a::test_ok", "unit.test_slot_save::test_slot_save_restore"]
+    assert diffs[0]["expected"] is None and "not saved" in diffs[1]["expected"]
+    text = peer.report(diffs, {"stock": {"passed": 1, "failed": 1, "error": 0, "skipped": 1}}, "unit test")
+    assert "**NEW**" in text and "`unit.test_a::test_ok` | passed | failed" in text
+    ast.parse(peer.PLUGIN)  # the plugin the tool writes is valid Python
+    assert peer.ridgefill_flags(20) == ["--ridgefill-split", "20", "--ridgefill-min-prompt", "8", "--ridgefill-tail", "1"]

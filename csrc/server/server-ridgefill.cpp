@@ -114,10 +114,11 @@ static std::string rf_quote(const common_json & value) {
     if (value.is_string()) {
         return out + "... (a string of " + std::to_string(value.get<std::string>().size()) + " bytes)";
     }
+    const size_t n = value.size();
     if (value.is_array()) {
-        return out + "... (an array of " + std::to_string(value.size()) + " elements)";
+        return out + "... (an array of " + std::to_string(n) + (n == 1 ? " element)" : " elements)");
     }
-    return out + "... (an object of " + std::to_string(value.size()) + " members)";
+    return out + "... (an object of " + std::to_string(n) + (n == 1 ? " member)" : " members)");
 }
 
 server_ridgefill_request server_ridgefill_parse_request(const common_json & value, bool enabled_on_server) {
