@@ -290,3 +290,71 @@ def test_bench_and_eval_use_the_map_files_tuned_defaults_as_serve_and_llama_do(c
         assert got == (32, 0.25, "probe"), command
         got, text = run(command, plain)
         assert got == (64, 0.10, "attention") and "tuned defaults" not in text, command
+
+
+def test_llama_cpp_log_lines_stay_out_of_the_output_unless_verbose(tiny_models, tmp_path):
+    """``ridgefill-gguf bench`` on a model with sliding-window layers printed llama.cpp's
+    ``llama_kv_cache_iswa: using full-size SWA cache`` above its table with verbose=False: llama-cpp-python's
+    table of llama.cpp's log levels predates the pinned tree's (a warning read as an error). The
+    command line is quiet by default and shows llama.cpp's log with ``--verbose``; ``Llama(verbose=False)``
+    shows errors only, ``verbose=True`` everything (a fresh process each, as a user runs them)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ridgefill_cpp
+
+    env = dict(os.environ, PYTHONPATH=str(Path(ridgefill_cpp.__file__).resolve().parent.parent))
+    model = str(tiny_models["gemma3"])
+    bench = ["bench", model, "--lengths", "80", "--repeats", "1", "--threads", "1", "--min-prompt", "50", "--tail", "8"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = "import sys\nfrom ridgefill_cpp.cli import app\nsys.argv[0] = 'ridgefill-gguf'\napp()"
+        return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
+
+    quiet = run(*bench)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "llama_" not in quiet.stdout + quiet.stderr and "ceiling" in quiet.stdout, quiet.stdout + quiet.stderr
+    loud = run("--verbose", *bench)
+    assert loud.returncode == 0 and "using full-size SWA cache" in loud.stderr and "ceiling" in loud.stdout
+
+    for verbose, shown in ((False, False), (True, True)):
+        code = ("import ridgefill_cpp\nfrom ridgefill_cpp import Llama\n"
+                f"Llama({model!r}, n_ctx=256, swa_full=True, verbose={verbose}).close()\nprint('done')")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr[-2000:]
+        assert ("using full-size SWA cache" in proc.stderr) == shown, proc.stderr[-2000:]
+
+
+def test_gpu_run_dry_run_on_the_cpu(tmp_path):
+    """tools/gpu_run.py, the device run of a GPU lease (docs/gpu-h200, issue #32), with --dry-run: the
+    same shapes' structure at tiny sizes on the CPU backend, so that the script cannot rot between
+    leases. Every section runs and reports: TTFT of the four variants with the plan's statistics, the
+    per-ubatch timeline (one entry per ubatch; the RidgeFill run's last one holds the late phase), and
+    resident against host-placed maps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    out = tmp_path / "gpu-run"
+    run = subprocess.run([sys.executable, str(tools / "gpu_run.py"), "--dry-run", "--out", str(out), "--repeats", "1",
+                          "--n-gpu-layers", "0"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    d = json.loads((out / "gpu-run.json").read_text())
+    assert d["dry_run"] and [s["shape"] for s in d["shapes"]] == ["8b-dense-32", "8b-dense-12", "9b-hybrid-12"]
+    for sh in d["shapes"]:
+        assert "error" not in sh, sh
+        assert [r["n"] for r in sh["rows"]] == [256, 512]
+        for r in sh["rows"]:
+            assert set(r["median_s"]) == {"stock", "ridgefill", f"first {sh['split']} layers", "ridgefill, early graphs 4"}
+            assert r["ridgefill"]["n_filled"] > 0 and r["ceiling"] > 1.0
+            assert set(r["ridgefill"]["times_ms"]) == {"early", "late", "build", "alloc", "set_input", "compute", "wait", "other"}
+        tl = sh["timeline"]
+        assert tl["n"] == 512 and len(tl["ridgefill"]) == len(tl["stock"]) == len(tl[f"first {sh['split']} layers"]) == 8
+        assert tl["early_ms"] > 0 and tl["first_layers_ms"] > 0
+    p = d["placement"]
+    assert "error" not in p and p["maps_bytes"] > 0 and set(p["median_s"]) == {"resident", "host"}
+    md = (out / "gpu-run.md").read_text()
+    assert "## 8b-dense-32 (S = 5 of 8)" in md and "Timeline at 512 rows" in md and "## Map placement" in md
