@@ -348,9 +348,13 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
         assert "error" not in sh, sh
         assert [r["n"] for r in sh["rows"]] == [256, 512]
         for r in sh["rows"]:
-            assert set(r["median_s"]) == {"stock", "ridgefill", f"first {sh['split']} layers", "ridgefill, early graphs 4"}
+            assert set(r["median_s"]) == {"stock", "ridgefill", f"first {sh['split']} layers", "ridgefill, early graphs 4",
+                                          "stock (early-graphs runs)"}
             assert r["ridgefill"]["n_filled"] > 0 and r["ceiling"] > 1.0
             assert set(r["ridgefill"]["times_ms"]) == {"early", "late", "build", "alloc", "set_input", "compute", "wait", "other"}
+            # LLAMA_RIDGEFILL_EARLY_GRAPHS=4 reached the context: no more early graphs built than its steps
+            # and the selector's ubatches
+            assert r["ridgefill, early graphs 4"]["graphs"]["early_built"] <= 4 + 2, r["ridgefill, early graphs 4"]
         tl = sh["timeline"]
         assert tl["n"] == 512 and len(tl["ridgefill"]) == len(tl["stock"]) == len(tl[f"first {sh['split']} layers"]) == 8
         assert tl["early_ms"] > 0 and tl["first_layers_ms"] > 0

@@ -21,7 +21,8 @@ For each shape, in one process, alternated and repeated (medians):
    flash attention on, F16 KV; the speedup, the ceiling 1/r and RidgeFill's ``ridgefill_stats``
    ``graphs`` and ``times_ms``;
 2. the same RidgeFill with ``LLAMA_RIDGEFILL_EARLY_GRAPHS=4`` (the fixed early extent: four early
-   graphs per plan, which CUDA graphs can then reuse);
+   graphs per plan, which CUDA graphs can then reuse), attached again to the same context and
+   alternated with stock;
 3. a **per-ubatch timeline** at the middle length: the prompt decoded one ubatch per
    ``llama_decode`` call with ``llama_synchronize`` after each, for RidgeFill (its early phase; the
    last call also runs the late phase) and for the first-S-layers model (stock's first S layers of
@@ -225,13 +226,26 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
               n_gpu_layers=args.n_gpu_layers, flash_attn=True)
     rf_setting = RidgeFill.identity(split, tail=TAIL, exact_fraction=FRACTION, selector="attention", span=SPAN,
                                     min_prompt=0)
+    early = f"ridgefill, early graphs {EARLY_STEPS}"
+
+    def early_graphs(llm, on: bool) -> None:
+        """Attach RidgeFill again with LLAMA_RIDGEFILL_EARLY_GRAPHS set or not (read when attaching)."""
+        if on:
+            os.environ["LLAMA_RIDGEFILL_EARLY_GRAPHS"] = str(EARLY_STEPS)
+        else:
+            os.environ.pop("LLAMA_RIDGEFILL_EARLY_GRAPHS", None)
+        llm.set_ridgefill(rf_setting)
+
+    def plan_stats(llm) -> dict:
+        st = llm.ridgefill_stats
+        return {k: st.get(k) for k in ("ceiling", "n_filled", "n_exact", "graphs", "times_ms", "late_ms", "prefill_ms")}
+
     t0 = time.perf_counter()
     os.environ.pop("LLAMA_RIDGEFILL_EARLY_GRAPHS", None)
+    # one context per model file (the RidgeFill one is attached again for the early-graphs runs): an
+    # 8B-wide model at 32 layers takes 15 GB of device memory per copy
     llms = {"stock": Llama(str(model), **kw), "ridgefill": Llama(str(model), ridgefill=rf_setting, **kw),
             f"first {split} layers": Llama(str(first), **kw)}
-    os.environ["LLAMA_RIDGEFILL_EARLY_GRAPHS"] = str(EARLY_STEPS)
-    llms[f"ridgefill, early graphs {EARLY_STEPS}"] = Llama(str(model), ridgefill=rf_setting, **kw)
-    os.environ.pop("LLAMA_RIDGEFILL_EARLY_GRAPHS", None)
     res["load_s"] = time.perf_counter() - t0
     try:
         tokens = prompt(llms["stock"], max(lengths))
@@ -241,17 +255,21 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
                 res.setdefault("skipped", []).append(f"{n} rows: over the time budget")
                 continue
             times, logits = alternated_ttft(llms, tokens[:n], args.repeats)
+            row = {"n": n, "ridgefill": plan_stats(llms["ridgefill"])}
+            # the fixed early extent: RidgeFill attached again with it, against stock in the same alternation
+            early_graphs(llms["ridgefill"], True)
+            try:
+                t_early, _ = alternated_ttft({"stock": llms["stock"], "ridgefill": llms["ridgefill"]}, tokens[:n], args.repeats)
+                row[early] = plan_stats(llms["ridgefill"])
+            finally:
+                early_graphs(llms["ridgefill"], False)
+            times[early], times["stock (early-graphs runs)"] = t_early["ridgefill"], t_early["stock"]
             med = {k: statistics.median(v) for k, v in times.items()}
-            row = {"n": n, "median_s": med, "times_s": times,
-                   "speedup": med["stock"] / med["ridgefill"],
-                   f"speedup_early_graphs_{EARLY_STEPS}": med["stock"] / med[f"ridgefill, early graphs {EARLY_STEPS}"],
-                   "first_layers_speedup": med["stock"] / med[f"first {split} layers"],
-                   "kl_vs_stock": kl_divergence(logits["stock"], logits["ridgefill"])}
-            for variant in ("ridgefill", f"ridgefill, early graphs {EARLY_STEPS}"):
-                llm = llms[variant]
-                st = llm.ridgefill_stats
-                row[variant] = {k: st.get(k) for k in ("ceiling", "n_filled", "n_exact", "graphs", "times_ms", "late_ms",
-                                                        "prefill_ms")}
+            row.update({"median_s": med, "times_s": times,
+                        "speedup": med["stock"] / med["ridgefill"],
+                        f"speedup_early_graphs_{EARLY_STEPS}": med["stock (early-graphs runs)"] / med[early],
+                        "first_layers_speedup": med["stock"] / med[f"first {split} layers"],
+                        "kl_vs_stock": kl_divergence(logits["stock"], logits["ridgefill"])})
             row["ceiling"] = row["ridgefill"]["ceiling"]
             row["fraction_of_ceiling"] = row["speedup"] / row["ceiling"] if row["ceiling"] else None
             res["rows"].append(row)
@@ -261,9 +279,16 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
         n = lengths[len(lengths) // 2]
         if time.perf_counter() < deadline:
             tl = {"n": n, "n_ubatch": n_ubatch, "split": split}
-            for variant in ("ridgefill", f"ridgefill, early graphs {EARLY_STEPS}", f"first {split} layers", "stock"):
-                ubatch_timeline(llms[variant], tokens[:n], n_ubatch)  # warm
-                tl[variant] = ubatch_timeline(llms[variant], tokens[:n], n_ubatch)
+            for variant in ("ridgefill", early, f"first {split} layers", "stock"):
+                llm = llms["ridgefill" if variant == early else variant]
+                if variant == early:
+                    early_graphs(llm, True)
+                try:
+                    ubatch_timeline(llm, tokens[:n], n_ubatch)  # warm
+                    tl[variant] = ubatch_timeline(llm, tokens[:n], n_ubatch)
+                finally:
+                    if variant == early:
+                        early_graphs(llm, False)
             rf, fs = tl["ridgefill"], tl[f"first {split} layers"]
             tl["early_ms"] = sum(rf[:-1])
             tl["first_layers_ms"] = sum(fs[:-1])
