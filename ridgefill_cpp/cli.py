@@ -104,6 +104,7 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def main(
+    ctx: typer.Context,
     version: Optional[bool] = typer.Option(
         None, "--version", callback=_version_callback, is_eager=True,
         help="Show the version, the llama.cpp commit and patch set of the native build, and exit.",
@@ -114,9 +115,11 @@ def main(
     ),
 ) -> None:
     """RidgeFill: faster long-prompt prefill for llama.cpp (late-layer KV filled from ridge maps)."""
-    from ._log import set_llama_log
+    from ._log import llama_log_override, set_llama_log
 
+    before = llama_log_override()
     set_llama_log(verbose)
+    ctx.call_on_close(lambda: set_llama_log(before))  # a command run in-process leaves the switch as it was
 
 
 def _model_table(info) -> Table:
