@@ -15,6 +15,7 @@ import pytest
 from ridgefill_cpp import mapfile
 from ridgefill_cpp.fingerprint import model_fingerprint
 from ridgefill_cpp.mapfile import MapFileError, MapFileMeta, RidgeMaps, read_map_file, write_map_file
+from synthetic_maps import without_digest  # tools/: a map file as written before content digests existed
 
 
 def _maps(n_embd=16, split=3, n_layer=6, seed=0, arch="llama", fingerprint="sha256:x") -> RidgeMaps:
@@ -366,26 +367,6 @@ def corrupted_copy(src: Path, dst: Path, tensor: str, edit) -> Path:
     assert len(chunk) == n
     data[offset:offset + n] = chunk
     dst.write_bytes(bytes(data))
-    return dst
-
-
-def without_digest(src: Path, dst: Path) -> Path:
-    """``src`` as a file written before content digests existed (every key but the digest)."""
-    import gguf
-
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
-    for name, fld in r.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", mapfile.KEY_DIGEST):
-            continue
-        kind = fld.types[0]
-        w.add_key_value(name, fld.contents(), kind, sub_type=fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
     return dst
 
 

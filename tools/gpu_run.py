@@ -122,36 +122,6 @@ def make_model(path: pathlib.Path, opts: dict, n_layer: int | None = None) -> pa
             mod.WeightFactory = real
 
 
-def synthetic_maps(model: pathlib.Path, path: pathlib.Path, split: int) -> pathlib.Path:
-    """Random F16 ridge maps of the model's real size (its fingerprint, every late layer), for placement."""
-    import gguf
-
-    from ridgefill_cpp import mapfile
-    from ridgefill_cpp.fingerprint import model_fingerprint
-    from ridgefill_cpp.gguf_model import read_model_info
-
-    info = read_model_info(model)
-    layers = list(range(split + 1, info.n_layer))
-    rng = np.random.default_rng(0)
-    a = (rng.standard_normal((info.n_embd, info.n_embd), dtype=np.float32) / np.sqrt(info.n_embd)).astype(np.float16)
-    with mapfile._map_writer(path, info.architecture) as w:
-        w.add_type(gguf.GGUFType.ADAPTER)
-        w.add_string("adapter.type", mapfile.ADAPTER_TYPE)
-        w.add_uint32(mapfile.KEY_FORMAT_VERSION, mapfile.FORMAT_VERSION)
-        w.add_uint32(mapfile.KEY_SPLIT, split)
-        w.add_uint32(mapfile.KEY_N_LAYER, info.n_layer)
-        w.add_uint32(mapfile.KEY_N_EMBD, info.n_embd)
-        w.add_string(mapfile.KEY_OBJECTIVE, "normalized")
-        w.add_string(mapfile.KEY_INPUT_NORM, "rms")
-        w.add_float32(mapfile.KEY_INPUT_NORM_EPS, 1e-5)
-        w.add_array(mapfile.KEY_LAYERS, layers)
-        w.add_string(mapfile.KEY_FINGERPRINT, model_fingerprint(model))
-        for il in layers:
-            w.add_tensor(mapfile.tensor_name_a(il), a)
-            w.add_tensor(mapfile.tensor_name_b(il), np.zeros(info.n_embd, dtype=np.float32))
-    return path
-
-
 def free_device_bytes() -> int | None:
     """Free memory of the first CUDA device (cudaMemGetInfo through torch), None without one."""
     try:
@@ -310,7 +280,9 @@ def placement(name: str, opts: dict, split: int, n: int, tmp: pathlib.Path, args
     from ridgefill_cpp.bench import alternated_ttft, warm_up
 
     model = tmp / f"{name}.gguf"
-    maps = synthetic_maps(model, tmp / f"{name}.maps.gguf", split)
+    from synthetic_maps import write_synthetic_maps
+
+    maps = write_synthetic_maps(model, tmp / f"{name}.maps.gguf", split, reuse=True)
     from ridgefill_cpp.mapfile import map_tensor_bytes
 
     out = {"shape": name, "n": n, "maps_bytes": map_tensor_bytes(maps)}

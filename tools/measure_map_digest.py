@@ -46,36 +46,12 @@ SHAPES = {  # n_embd, n_layer, split: the real models' widths and depths (Llama 
 def build(shape: str, root: Path) -> tuple[Path, Path, Path]:
     import make_tiny_models
 
-    from ridgefill_cpp import mapfile
-    from ridgefill_cpp.fingerprint import model_fingerprint
-
     n_embd, n_layer, split = SHAPES[shape]
     model = make_tiny_models.make_tiny_model("llama", root / f"{shape}-model.gguf", seed=0, n_embd=n_embd,
                                              n_layer=n_layer, n_head=1, n_head_kv=1, head_dim=64, n_ff=64, dtype="f16")
-    layers = list(range(split + 1, n_layer))
-    rng = np.random.default_rng(0)
-    path = root / f"{shape}.ridgefill.gguf"
-    with mapfile._map_writer(path, "llama") as w:
-        import gguf
+    from synthetic_maps import without_digest, write_synthetic_maps
 
-        w.add_type(gguf.GGUFType.ADAPTER)
-        w.add_string("adapter.type", mapfile.ADAPTER_TYPE)
-        w.add_uint32(mapfile.KEY_FORMAT_VERSION, mapfile.FORMAT_VERSION)
-        w.add_uint32(mapfile.KEY_SPLIT, split)
-        w.add_uint32(mapfile.KEY_N_LAYER, n_layer)
-        w.add_uint32(mapfile.KEY_N_EMBD, n_embd)
-        w.add_string(mapfile.KEY_OBJECTIVE, "normalized")
-        w.add_string(mapfile.KEY_INPUT_NORM, "rms")
-        w.add_float32(mapfile.KEY_INPUT_NORM_EPS, 1e-5)
-        w.add_array(mapfile.KEY_LAYERS, layers)
-        w.add_string(mapfile.KEY_FINGERPRINT, model_fingerprint(model))
-        for il in layers:
-            a = (rng.standard_normal((n_embd, n_embd), dtype=np.float32) * (1 / np.sqrt(n_embd))).astype(np.float16)
-            w.add_tensor(mapfile.tensor_name_a(il), a)
-            w.add_tensor(mapfile.tensor_name_b(il), np.zeros(n_embd, dtype=np.float32))
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_mapfile import without_digest
-
+    path = write_synthetic_maps(model, root / f"{shape}.ridgefill.gguf", split)
     return model, path, without_digest(path, root / f"{shape}-nodigest.ridgefill.gguf")
 
 
