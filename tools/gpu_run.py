@@ -5,7 +5,8 @@
     python tools/gpu_run.py --dry-run --out /tmp/x     # on the CPU, tiny sizes: what the test suite runs
 
 Every model is synthetic and made here, speed only (random F16 weights; a layer's matrices are
-drawn once and reused by every layer, so that a 32-layer 8B-wide model is written in seconds):
+drawn once and reused by every layer, so that the random draws of a 32-layer 8B-wide model take
+seconds; its file is still about 15 GB, written and loaded on the device):
 
 - ``8b-dense-32``: Llama-3-8B's shapes at its real depth (d 4,096, 32 layers, 32/8 heads of 128,
   FFN 14,336), split S = 22 (the default split of a 32-layer model), at 4K, 16K and 32K rows;

@@ -16,8 +16,8 @@ import numpy as np
 def write_synthetic_maps(model: pathlib.Path, path: pathlib.Path, split: int, *, reuse: bool = False,
                          seed: int = 0) -> pathlib.Path:
     """Write random F16 maps (A ~ N(0, 1/n_embd), b = 0) for every late layer of ``model`` at ``split``.
-    ``reuse``: one random matrix for every layer (written in seconds at any width; the bytes of the
-    file are then the same per layer)."""
+    ``reuse``: one random matrix for every layer (one draw at any depth; the bytes of the file are
+    then the same per layer)."""
     import gguf
 
     from ridgefill_cpp import mapfile
