@@ -116,8 +116,8 @@ static ggml_tensor * rf_merge_rows(const llm_graph_context & g, int il, ggml_ten
     if (!inp->m_f_rows) {
         inp->m_f_rows = inp->add(ctx0, rf->m_f_rows, "ridgefill_m_f_rows");
     }
-    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), inp->m_f_rows),
-            llama_ridgefill_stage_a(ctx0, rf->maps, il));
+    const llama_ridgefill_map_weights w = llama_ridgefill_stage(ctx0, rf->maps, il);
+    ggml_tensor * x_f = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), inp->m_f_rows), &w);
     if (x_x == nullptr) {
         return x_f; // every row is filled: already in position order
     }
@@ -449,7 +449,7 @@ static void rf_build_selector(
 // inputs are rows src_rows of r_src at the graph's first layer, rows ids of the layer's input inside
 // the graph at a later one; the predictions come from rows `rows` of xs. [1, n_head_kv], an output
 // of the graph (read back for the statistics)
-static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, ggml_tensor * a, bool key) {
+static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, const llama_ridgefill_map_weights & w, bool key) {
     const llama_ridgefill_graph * rf = g.rf;
     ggml_context * ctx0 = g.ctx0;
 
@@ -475,7 +475,7 @@ static ggml_tensor * rf_build_head_scale(const llm_graph_context & g, int il, gg
         }
         xe = ggml_get_rows(ctx0, rf->layer_inp, t_ids);
     }
-    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), t_rows), a);
+    ggml_tensor * xp = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), t_rows), &w);
 
     ggml_tensor * pe = nullptr;
     ggml_tensor * pp = nullptr;
@@ -506,19 +506,19 @@ static void rf_build_fill(
     const int64_t n_head_kv = hparams.n_head_kv(il);
 
     // the layer's map, read by every step below: host-placed maps are uploaded once per layer
-    ggml_tensor * a = llama_ridgefill_stage_a(ctx0, rf->maps, il);
+    const llama_ridgefill_map_weights w = llama_ridgefill_stage(ctx0, rf->maps, il);
 
     // (a) s_{l,h} = mean ||V(x_l)|| / mean ||V(x̂_l)|| over the value-scale rows, both through the
     //     layer's own V path (the one the cache stores, before any rotation: it keeps norms)
     ggml_tensor * scale = nullptr;
     if (!rf->r_rows.empty()) {
-        scale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, a, /*key =*/ false), 1, n_head_kv, 1);
+        scale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, w, /*key =*/ false), 1, n_head_kv, 1);
     }
 
     // (a') the key scale (issue #8), the same measurement on K (after k-norm; RoPE keeps norms)
     ggml_tensor * kscale = nullptr;
     if (!rf->rk_rows.empty()) {
-        kscale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, a, /*key =*/ true), 1, n_head_kv, 1);
+        kscale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, w, /*key =*/ true), 1, n_head_kv, 1);
     }
 
     // (b) the filled rows, in chunks
@@ -555,7 +555,7 @@ static void rf_build_fill(
         ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc*n_pos, i0*n_pos*ggml_element_size(inp->f_pos));
         ggml_tensor * kidx = ggml_view_1d(ctx0, cells,       nc, i0*ggml_element_size(cells));
 
-        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), rows), a);
+        ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), rows), &w);
 
         ggml_tensor * k = nullptr;
         ggml_tensor * v = nullptr;

@@ -15,6 +15,7 @@
 #include "hash/xxhash/xxhash.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -46,36 +47,59 @@ size_t llama_ridgefill_maps::n_bytes() const {
     return n;
 }
 
+static bool rf_has_map(const llama_ridgefill_maps * maps, int il) {
+    return maps != nullptr && il > maps->split_layer && (maps->a[il] != nullptr || maps->down[il] != nullptr);
+}
+
 ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il, ggml_tensor * xs,
-        ggml_tensor * a) {
-    if (maps == nullptr || il <= maps->split_layer || maps->a[il] == nullptr) {
+        const llama_ridgefill_map_weights * w) {
+    if (!rf_has_map(maps, il)) {
         return xs; // identity fill (and l = S, where x_S is the layer's exact input)
+    }
+    const llama_ridgefill_map_weights own = { maps->a[il], maps->down[il], maps->up[il] };
+    if (w == nullptr) {
+        w = &own;
     }
     ggml_tensor * x = xs;
     if (maps->normalized) {
         x = ggml_rms_norm(ctx0, x, maps->norm_eps);
     }
-    x = ggml_mul_mat(ctx0, a ? a : maps->a[il], x);
-    x = ggml_add(ctx0, x, maps->b[il]);
-    return x;
+    ggml_tensor * y = nullptr;
+    if (w->a != nullptr) {
+        y = ggml_mul_mat(ctx0, w->a, x);
+    } else {
+        GGML_ASSERT(w->down != nullptr && w->up != nullptr);
+        y = ggml_mul_mat(ctx0, w->up, ggml_mul_mat(ctx0, w->down, x));
+        if (maps->identity_low_rank) {
+            y = ggml_add(ctx0, y, x);
+        }
+    }
+    return ggml_add(ctx0, y, maps->b[il]);
 }
 
-ggml_tensor * llama_ridgefill_stage_a(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il) {
-    if (maps == nullptr || il <= maps->split_layer || maps->a[il] == nullptr) {
-        return nullptr;
+llama_ridgefill_map_weights llama_ridgefill_stage(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il) {
+    if (!rf_has_map(maps, il)) {
+        return {};
     }
-    ggml_tensor * a = maps->a[il];
+    llama_ridgefill_map_weights w = { maps->a[il], maps->down[il], maps->up[il] };
     ggml_backend_dev_t dev = maps->model.dev_layer(il);
     if (!maps->host || dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
-        return a;
+        return w;
     }
-    ggml_tensor * staged = ggml_cont(ctx0, a);
-    ggml_format_name(staged, "ridgefill_a_staged-%d", il);
-    return staged;
+    for (ggml_tensor ** t : { &w.a, &w.down, &w.up }) {
+        if (*t != nullptr) {
+            ggml_tensor * staged = ggml_cont(ctx0, *t);
+            ggml_format_name(staged, "%s_staged", (*t)->name);
+            *t = staged;
+        }
+    }
+    return w;
 }
 
 static const char * RIDGEFILL_ADAPTER_TYPE = "ridgefill";
 static const char * RIDGEFILL_KEY_DIGEST   = "ridgefill.digest.xxh64";
+static const char * RIDGEFILL_KEY_MAP_FORM = "ridgefill.map_form";
+static const char * RIDGEFILL_KEY_MAP_RANKS = "ridgefill.map_ranks";
 static const uint32_t RIDGEFILL_FORMAT_VERSION = 1;
 
 namespace {
@@ -130,14 +154,41 @@ struct gguf_meta {
     }
 };
 
-// the maps' values must be finite: a NaN would silently poison every filled row
+// the maps' values must be finite: a NaN would silently poison every filled row. Quantized tensors
+// are checked as they dequantize (a NaN block scale reads as NaN values), a row at a time
 static void check_finite(const ggml_tensor * t, const uint8_t * data) {
-    const int64_t n = ggml_nelements(t);
-    for (int64_t i = 0; i < n; ++i) {
-        const float v = t->type == GGML_TYPE_F16 ? ggml_fp16_to_fp32(((const ggml_fp16_t *) data)[i]) : ((const float *) data)[i];
-        if (!std::isfinite(v)) {
-            throw std::runtime_error(format("tensor %s has a non-finite value (%f) at element %lld", t->name, v, (long long) i));
+    const int64_t n_per_row = t->ne[0];
+    const int64_t n_rows    = ggml_nelements(t)/n_per_row;
+    const size_t  row_size  = ggml_row_size(t->type, n_per_row);
+    const auto  * traits    = ggml_get_type_traits(t->type);
+    std::vector<float> row(t->type == GGML_TYPE_F32 ? 0 : n_per_row);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const float * v = (const float *) (data + r*row_size);
+        if (t->type != GGML_TYPE_F32) {
+            GGML_ASSERT(traits->to_float != nullptr);
+            traits->to_float(data + r*row_size, row.data(), n_per_row);
+            v = row.data();
         }
+        for (int64_t i = 0; i < n_per_row; ++i) {
+            if (!std::isfinite(v[i])) {
+                throw std::runtime_error(format("tensor %s has a non-finite value (%f) at element %lld", t->name, v[i],
+                        (long long) (r*n_per_row + i)));
+            }
+        }
+    }
+}
+
+// the storage types a map matrix may have (ridgefill-gguf fit --dtype): mul_mat takes each on every backend
+static bool rf_map_type_ok(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_F32:
+        case GGML_TYPE_F16:
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q4_K:
+            return true;
+        default:
+            return false;
     }
 }
 
@@ -234,8 +285,35 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
         throw std::runtime_error(format("%s: the file lists %zu mapped layers, expected layers %d..%d", path, layers.size(), maps.split_layer + 1, n_layer - 1));
     }
 
-    // tensors: exactly one A and one b per mapped layer, of the right shape and type; optionally the
-    // state gains g of every mapped recurrent layer (hybrid models, the terminal-state correction)
+    // the map form: full matrices, or two low-rank factors per layer with their ranks
+    maps.form = meta.str(RIDGEFILL_KEY_MAP_FORM, false);
+    if (maps.form.empty()) {
+        maps.form = "full";
+    }
+    if (maps.form != "full" && maps.form != "identity_low_rank" && maps.form != "low_rank") {
+        throw std::runtime_error(format("%s: metadata key %s = '%s': expected full, identity_low_rank or low_rank",
+                path, RIDGEFILL_KEY_MAP_FORM, maps.form.c_str()));
+    }
+    const bool low_rank = maps.form != "full";
+    maps.identity_low_rank = maps.form == "identity_low_rank";
+    std::vector<int32_t> ranks;
+    if (low_rank) {
+        ranks = meta.i32_array(RIDGEFILL_KEY_MAP_RANKS);
+        if (ranks.size() != expected.size()) {
+            throw std::runtime_error(format("%s: metadata key %s lists %zu ranks, expected one per mapped layer (%zu)",
+                    path, RIDGEFILL_KEY_MAP_RANKS, ranks.size(), expected.size()));
+        }
+        for (size_t i = 0; i < ranks.size(); ++i) {
+            if (ranks[i] < 1 || ranks[i] >= n_embd) {
+                throw std::runtime_error(format("%s: metadata key %s: layer %d has rank %d outside 1..%d",
+                        path, RIDGEFILL_KEY_MAP_RANKS, expected[i], ranks[i], n_embd - 1));
+            }
+        }
+    }
+
+    // tensors: per mapped layer one A (or its factors V^T and U) and one b, of the right shape and
+    // type; optionally the state gains g of every mapped recurrent layer (hybrid models, the
+    // terminal-state correction)
     std::vector<int32_t> recurrent;
     for (int32_t il : expected) {
         if (model.hparams.is_recr(il)) {
@@ -245,13 +323,15 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
     const bool has_gains = !recurrent.empty() &&
             ggml_get_tensor(ctx_meta.get(), format("blk.%d.ridgefill_state_gain.weight", recurrent[0]).c_str()) != nullptr;
     const int64_t n_tensors = gguf_get_n_tensors(ctx_gguf.get());
-    const int64_t n_expected = 2 * (int64_t) expected.size() + (has_gains ? (int64_t) recurrent.size() : 0);
+    const int64_t n_expected = (low_rank ? 3 : 2) * (int64_t) expected.size() + (has_gains ? (int64_t) recurrent.size() : 0);
     if (n_tensors != n_expected) {
-        throw std::runtime_error(format("%s: %lld tensors, expected %lld (A and b for each of layers %d..%d%s)",
-                path, (long long) n_tensors, (long long) n_expected, maps.split_layer + 1, n_layer - 1,
+        throw std::runtime_error(format("%s: %lld tensors, expected %lld (%s and b for each of layers %d..%d%s)",
+                path, (long long) n_tensors, (long long) n_expected, low_rank ? "V^T, U" : "A", maps.split_layer + 1, n_layer - 1,
                 has_gains ? ", a state gain for each recurrent one" : ""));
     }
     maps.a.assign(n_layer, nullptr);
+    maps.down.assign(n_layer, nullptr);
+    maps.up.assign(n_layer, nullptr);
     maps.b.assign(n_layer, nullptr);
     maps.g.assign(n_layer, nullptr);
 
@@ -277,27 +357,41 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
 
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load; // (file tensor, device tensor)
     const int64_t n_v_heads = model.hparams.ssm_dt_rank;
-    for (int32_t il : expected) {
-        for (const char kind : { 'a', 'b', 'g' }) {
-            if (kind == 'g' && !(has_gains && model.hparams.is_recr(il))) {
+    const ggml_tensor * first_matrix = nullptr; // every map matrix has this one's type
+    for (size_t i = 0; i < expected.size(); ++i) {
+        const int32_t il = expected[i];
+        // a: A [n_embd, n_embd]; d, u: V^T [n_embd, r], U [r, n_embd]; b: [n_embd]; g: [n_v_heads]
+        for (const char kind : { 'a', 'd', 'u', 'b', 'g' }) {
+            if ((kind == 'a' && low_rank) || ((kind == 'd' || kind == 'u') && !low_rank) ||
+                (kind == 'g' && !(has_gains && model.hparams.is_recr(il)))) {
                 continue;
             }
             const std::string name = format(kind == 'a' ? "blk.%d.ridgefill_a.weight" :
+                                            kind == 'd' ? "blk.%d.ridgefill_a_down.weight" :
+                                            kind == 'u' ? "blk.%d.ridgefill_a_up.weight" :
                                             kind == 'b' ? "blk.%d.ridgefill_b.bias" : "blk.%d.ridgefill_state_gain.weight", il);
             ggml_tensor * t = ggml_get_tensor(ctx_meta.get(), name.c_str());
             if (t == nullptr) {
                 throw std::runtime_error(format("%s: missing tensor %s", path, name.c_str()));
             }
-            const bool is_a = kind == 'a';
-            const int64_t n0 = kind == 'g' ? n_v_heads : n_embd;
-            const bool shape_ok = is_a
-                ? (t->ne[0] == n_embd && t->ne[1] == n_embd && ggml_n_dims(t) == 2)
-                : (t->ne[0] == n0 && ggml_n_dims(t) == 1);
-            const bool type_ok = is_a ? (t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32) : t->type == GGML_TYPE_F32;
+            const bool is_matrix = kind == 'a' || kind == 'd' || kind == 'u';
+            const int64_t r = low_rank ? ranks[i] : n_embd;
+            const int64_t ne0 = kind == 'g' ? n_v_heads : kind == 'u' ? r : n_embd;
+            const int64_t ne1 = kind == 'a' ? n_embd : kind == 'd' ? r : kind == 'u' ? n_embd : 1;
+            const bool shape_ok = t->ne[0] == ne0 && t->ne[1] == ne1 && ggml_n_dims(t) == (is_matrix ? 2 : 1);
+            const bool type_ok = is_matrix ? rf_map_type_ok(t->type) : t->type == GGML_TYPE_F32;
             if (!shape_ok || !type_ok) {
                 throw std::runtime_error(format("%s: tensor %s is %s [%lld, %lld], expected %s [%lld%s]", path, name.c_str(),
                         ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1],
-                        is_a ? "F16/F32" : "F32", (long long) n0, is_a ? format(", %d", n_embd).c_str() : ""));
+                        is_matrix ? "F32/F16/Q8_0/Q4_0/Q4_K" : "F32", (long long) ne0, is_matrix ? format(", %lld", (long long) ne1).c_str() : ""));
+            }
+            if (is_matrix) {
+                if (first_matrix == nullptr) {
+                    first_matrix = t;
+                } else if (t->type != first_matrix->type) {
+                    throw std::runtime_error(format("%s: tensor %s is %s, %s is %s: every map matrix of a file has one type",
+                            path, name.c_str(), ggml_type_name(t->type), first_matrix->name, ggml_type_name(first_matrix->type)));
+                }
             }
             // placement: with the layer's weights (resident), or in host memory for streaming
             ggml_backend_dev_t dev = model.dev_layer(il);
@@ -314,7 +408,7 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
             }
             ggml_tensor * dst = ggml_dup_tensor(ctx_for_buft(buft), t);
             ggml_set_name(dst, t->name);
-            (kind == 'a' ? maps.a : kind == 'b' ? maps.b : maps.g)[il] = dst;
+            (kind == 'a' ? maps.a : kind == 'd' ? maps.down : kind == 'u' ? maps.up : kind == 'b' ? maps.b : maps.g)[il] = dst;
             to_load.emplace_back(t, dst);
         }
     }
@@ -391,8 +485,11 @@ static void llama_ridgefill_maps_load(llama_ridgefill_maps & maps, const char * 
     }
     maps.digest_checked = !digests.empty();
 
-    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s) from %s, %.2f MiB in %s (%s), %s\n", __func__,
-            maps.split_layer + 1, n_layer - 1, maps.split_layer, maps.objective.c_str(), path, maps.n_bytes() / 1024.0 / 1024.0,
+    maps.type_name = ggml_type_name(first_matrix->type);
+    std::transform(maps.type_name.begin(), maps.type_name.end(), maps.type_name.begin(), [](unsigned char c) { return (char) std::tolower(c); });
+    LLAMA_LOG_INFO("%s: loaded RidgeFill maps for layers %d..%d (split %d, objective %s, %s %s) from %s, %.2f MiB in %s (%s), %s\n", __func__,
+            maps.split_layer + 1, n_layer - 1, maps.split_layer, maps.objective.c_str(), maps.form.c_str(), maps.type_name.c_str(),
+            path, maps.n_bytes() / 1024.0 / 1024.0,
             maps.buft_names.c_str(), maps.host ? "host placement" : "resident",
             maps.digest_checked ? format("content digest checked in %.1f ms", t_digest_ms).c_str() : "no content digest");
 }
@@ -454,12 +551,21 @@ bool llama_ridgefill_maps_host(const struct llama_ridgefill_maps * maps) {
     return maps->host;
 }
 
+const char * llama_ridgefill_maps_type(const struct llama_ridgefill_maps * maps) {
+    return maps->type_name.c_str();
+}
+
+const char * llama_ridgefill_maps_form(const struct llama_ridgefill_maps * maps) {
+    return maps->form.c_str();
+}
+
 int32_t llama_ridgefill_maps_predict(const struct llama_ridgefill_maps * maps, int32_t il, const float * xs, int32_t n_rows, float * out) {
     if (maps == nullptr || il < maps->split_layer || il >= maps->n_layer || n_rows <= 0) {
         llama_ridgefill_set_error(__func__, format("layer %d outside %d..%d or no rows", il, maps ? maps->split_layer : -1, maps ? maps->n_layer - 1 : -1));
         return -1;
     }
-    if (maps->a[il] && !ggml_backend_buffer_is_host(maps->a[il]->buffer)) {
+    const ggml_tensor * m = il > maps->split_layer ? (maps->a[il] ? maps->a[il] : maps->down[il]) : nullptr;
+    if (m && !ggml_backend_buffer_is_host(m->buffer)) {
         llama_ridgefill_set_error(__func__, "maps are not in host memory");
         return -1;
     }

@@ -82,6 +82,11 @@ extern "C" {
     // whether the maps were loaded for host placement (llama_ridgefill_maps_params.host)
     LLAMA_API bool        llama_ridgefill_maps_host       (const struct llama_ridgefill_maps * maps);
 
+    // the storage type of the map matrices ("f32", "f16", "q8_0", "q4_0", "q4_k") and the map form
+    // ("full"; "identity_low_rank": A = I + U V^T; "low_rank": A = U V^T)
+    LLAMA_API const char * llama_ridgefill_maps_type      (const struct llama_ridgefill_maps * maps);
+    LLAMA_API const char * llama_ridgefill_maps_form      (const struct llama_ridgefill_maps * maps);
+
     // the predicted input of layer il for n_rows split-layer states xs ([n_rows][n_embd], row-major):
     // x_hat = A_il phi(xs) + b_il, or xs itself for il == S; computed on the CPU backend with the same
     // graph step the fill uses. For tests and tools. Returns 0, or -1 (see llama_ridgefill_last_error)

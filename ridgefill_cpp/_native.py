@@ -183,6 +183,16 @@ def llama_ridgefill_maps_digest_checked(maps, /) -> bool: ...
 def llama_ridgefill_maps_host(maps, /) -> bool: ...
 
 
+# LLAMA_API const char * llama_ridgefill_maps_type(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_type", [llama_ridgefill_maps_p], ctypes.c_char_p)
+def llama_ridgefill_maps_type(maps, /) -> bytes: ...
+
+
+# LLAMA_API const char * llama_ridgefill_maps_form(const struct llama_ridgefill_maps * maps);
+@ctypes_function("llama_ridgefill_maps_form", [llama_ridgefill_maps_p], ctypes.c_char_p)
+def llama_ridgefill_maps_form(maps, /) -> bytes: ...
+
+
 # LLAMA_API int32_t llama_ridgefill_maps_predict(const struct llama_ridgefill_maps * maps, int32_t il,
 #                                                const float * xs, int32_t n_rows, float * out);
 @ctypes_function("llama_ridgefill_maps_predict",

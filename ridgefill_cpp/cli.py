@@ -252,14 +252,20 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
     from dataclasses import asdict
 
     from .gguf_model import HYBRID_ARCHITECTURES
-    from .mapfile import map_tensor_bytes, read_tuned_defaults
+    from .compact import map_bytes
+    from .mapfile import describe_form, map_tensor_bytes_by_layer, read_tuned_defaults
 
-    n_bytes = map_tensor_bytes(path)
+    per_layer = map_tensor_bytes_by_layer(path)
+    n_bytes = sum(per_layer.values())
+    f16_bytes = map_bytes(meta.n_embd, len(meta.layers), "f16") + sum(
+        g.size * 4 for g in (gains or {}).values())  # the same maps as full F16 matrices
     tuned = read_tuned_defaults(path)
     if as_json:
         d = asdict(meta)
         d["input_norm"] = meta.input_norm
         d["maps_bytes"] = n_bytes
+        d["maps_bytes_per_layer"] = {str(il): n for il, n in per_layer.items()}
+        d["maps_bytes_full_f16"] = f16_bytes
         d["tuned"] = tuned
         d["has_state_gains"] = bool(gains)
         d["state_gains"] = {str(il): [float(x) for x in g] for il, g in sorted(gains.items())} if gains else None
@@ -280,9 +286,13 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
         ("calibration", f"{meta.calib_n_tokens} tokens in windows of {meta.calib_windows} ({meta.calib_n_rows} rows used, "
                         f"first {meta.calib_skip_rows} of each window skipped); {meta.calib_source}"),
         ("held-out rows", str(meta.heldout_n_rows)),
-        ("memory", f"{n_bytes / 2**20:.1f} MiB of maps: with their layers' weights by default (VRAM on a GPU build), or "
-                   "in pinned host memory, streamed to the GPU once per layer, with RidgeFill(placement=\"host\"); "
-                   "the same on CPU"),
+        ("maps", describe_form(meta)),
+        ("memory", f"{n_bytes / 2**20:.2f} MiB of maps ({n_bytes:,} bytes; "
+                   + (f"{min(per_layer.values()):,}" if len(set(per_layer.values())) == 1 else
+                      f"{min(per_layer.values()):,} to {max(per_layer.values()):,}")
+                   + f" per layer; {n_bytes / f16_bytes:.2f}x of full F16 maps): with their layers' weights by default "
+                   "(resident: VRAM on a GPU build), or in pinned host memory, streamed to the GPU once per layer, with "
+                   "RidgeFill(placement=\"host\"); the same bytes either way"),
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
         ("content digest", "XXH64 of every tensor, checked: the weights are as written" if meta.digest else
                            "none (written before map files had one): corrupted weights cannot be detected; fit again to add one"),
@@ -339,7 +349,22 @@ def fit(
                                                           f"{settings.FIT_CTX}). Several, comma-separated (e.g. 512,4096): "
                                                           "mixed-length windows, each length an equal share of the tokens."),
     objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
-    dtype: str = typer.Option("f16", "--dtype", help="Storage type of the A matrices: f16 or f32."),
+    dtype: str = typer.Option(
+        "f16", "--dtype", help="Storage type of the map matrices: f16, f32, or a ggml block type that mul_mat multiplies as "
+                               "stored on every backend: q8_0 (0.53x the bytes of f16), q4_0 or q4_k (0.28x; q4_k needs "
+                               "n_embd a multiple of 256), quantized by llama.cpp's quantizer weighted by the calibration "
+                               "inputs' second moments. The quality table then shows the maps as stored."),
+    rank: Optional[int] = typer.Option(
+        None, "--rank", min=1, help="Low-rank maps of this rank for every layer (see --rank-form), applied as two thin "
+                                    "products: 2·r·n_embd values per layer instead of n_embd². With a quantized --dtype, "
+                                    "a multiple of the type's block (32; 256 for q4_k)."),
+    rank_share: Optional[float] = typer.Option(
+        None, "--rank-share", min=0.0, max=1.0,
+        help="Low-rank maps whose rank is chosen per layer: the smallest that keeps this share (e.g. 0.95) of the full "
+             "map's held-out gain over the form's baseline (identity fill for --rank-form identity, the mean for plain)."),
+    rank_form: str = typer.Option(
+        "identity", "--rank-form", help="With --rank or --rank-share: identity (A = I + U Vᵀ, a low-rank correction of "
+                                        "identity fill) or plain (A = U Vᵀ)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads for llama.cpp."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
     state_gains: Optional[bool] = typer.Option(
@@ -361,17 +386,25 @@ def fit(
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from . import corpus
-    from .fit import FitError, FitOptions, fit_ridge_maps_for_splits
+    from .fit import FitError, FitOptions, compact_result, fit_ridge_maps_for_splits
     from .gguf_model import GGUFFileError, read_model_info
-    from .mapfile import write_map_file
+    from .mapfile import MapFileError, describe_form, map_tensor_bytes, write_map_file
 
     tokens = settings.FIT_TOKENS if tokens is None else tokens
     lengths = [settings.FIT_CTX] if ctx is None else _number_list(ctx, "--ctx", int)
     if min(lengths) < 8 or len(set(lengths)) != len(lengths):
         _fail(f"--ctx must be distinct window lengths of at least 8 rows, not {ctx!r}")
     ctx = max(lengths)  # the state gains' windows
-    if dtype not in ("f16", "f32"):
-        _fail(f"--dtype must be f16 or f32, not {dtype!r}")
+    from .compact import DTYPES
+
+    if dtype not in DTYPES:
+        _fail(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if rank is not None and rank_share is not None:
+        _fail("give --rank or --rank-share, not both")
+    if rank_form not in ("identity", "plain"):
+        _fail(f"--rank-form must be identity or plain, not {rank_form!r}")
+    form = "full" if rank is None and rank_share is None else (
+        "identity_low_rank" if rank_form == "identity" else "low_rank")
     if objective not in ("normalized", "raw"):
         _fail(f"--objective must be normalized or raw, not {objective!r}")
     try:
@@ -382,6 +415,15 @@ def fit(
         splits = [info.default_split] if split is None else [int(x) for x in split.split(",") if x.strip()]
     except ValueError:
         _fail(f"--split must be a layer number or comma-separated layer numbers, not {split!r}")
+    try:  # before the capture: a type or rank the maps cannot take
+        from .compact import CompactError, check_dtype
+
+        if rank is not None and not rank < info.n_embd:
+            raise CompactError(f"--rank {rank} must be below n_embd ({info.n_embd})")
+        check_dtype(dtype, [info.n_embd] + ([rank] if rank else []),
+                    f"the maps of {info.name or model.name} (n_embd {info.n_embd}" + (f", rank {rank})" if rank else ")"))
+    except CompactError as e:
+        _fail(str(e))
     stem = model.name.removesuffix(".gguf")
     if len(splits) > 1 and output is not None and "{split}" not in str(output):
         _fail("with several splits, --output must contain {split} (e.g. maps.S{split}.gguf)")
@@ -428,9 +470,17 @@ def fit(
         except FitError as e:
             _fail(str(e))
     for res, path in zip(results, outputs):
-        write_map_file(path, res.maps, dtype=dtype, overwrite=force)
+        try:
+            if form != "full" or dtype not in ("f16", "f32"):
+                res = compact_result(res, dtype=dtype, form=form, rank=rank, rank_share=rank_share)
+            write_map_file(path, res.maps, dtype=dtype, overwrite=force)
+        except (FitError, MapFileError) as e:
+            _fail(str(e))
         m, tm = res.maps.meta, res.timings
-        out.print(_quality_table(m, f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality"))
+        m.dtype = dtype
+        out.print(_quality_table(m, f"ridge maps, S = {m.split_layer}, objective {m.objective}: held-out quality"
+                                    + (f" of the maps as stored ({describe_form(m)})" if res.dtype else "")))
+        out.print(f"maps: {describe_form(m)}, {map_tensor_bytes(path) / 2**20:.2f} MiB", highlight=False)
         out.print(
             f"{m.calib_n_tokens} calibration tokens ({res.n_windows} windows of {m.calib_windows}), {m.heldout_n_rows} held-out rows; "
             f"forward {tm.forward_s:.1f} s, statistics {tm.accumulate_s:.1f} s "

@@ -28,6 +28,9 @@ For a split S and every late layer l = S+1 .. L-1, fit ``x_l ≈ A_l φ(x_S) + b
 6. **Quality** on the held-out rows, in the space the layer consumes (directions, i.e. after
    RMS normalisation of prediction and truth): R² and the median relative error, next to
    identity fill's (x̂_l = x_S).
+7. **Compact maps** (optional, :func:`compact_result`; :mod:`ridgefill_cpp.compact`): a low-rank
+   form of each map from the same statistics, and a quantized storage type; the quality figures
+   are then those of the maps as stored.
 
 The library never prints: progress goes to an optional callback.
 """
@@ -37,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -81,11 +84,27 @@ class FitTimings:
 
 
 @dataclass
+class Calibration:
+    """What :func:`compact_result` needs of a fit: the training inputs' mean and centred covariance
+    and the held-out rows (objective space, float32)."""
+
+    mx: np.ndarray
+    cxx: np.ndarray
+    held_x: np.ndarray
+    held_y: dict[int, np.ndarray]
+    eps: float
+
+
+@dataclass
 class FitResult:
     maps: RidgeMaps
     timings: FitTimings
     n_windows: int
     lambda_curves: dict[int, list[float]] = field(default_factory=dict)  # layer -> held-out MSE per λ
+    #: the statistics the maps were solved from (for :func:`compact_result`)
+    calibration: Calibration | None = field(default=None, repr=False)
+    #: the storage type the quality figures were measured at ("" : the fitted float values)
+    dtype: str = ""
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -319,17 +338,31 @@ class _SplitAccumulator:
         hx_phi = rms_normalize(hx, eps)  # identity fill compares x_S with x_l in the consumed space
         for il in self.layers:
             a, b, lam, mses = solved[il]
-            pred = hx @ a.T + b
-            resid = ((hy[il] - pred) ** 2).sum()
-            total = ((hy[il] - hy[il].mean(0)) ** 2).sum()
-            r2s.append(float(1.0 - resid / total))
-            errs.append(float(_rel_err(pred, hy[il], eps).median()))
+            r2, err = held_out_quality(hx, hy[il], a, b, eps)
+            r2s.append(r2)
+            errs.append(err)
             id_errs.append(float(_rel_err(hx_phi, hy[il], eps).median()))
             lambdas.append(float(lam))
             curves[il] = mses
             a_maps[il] = a.to(torch.float32).numpy()
             b_maps[il] = b.to(torch.float32).numpy()
-        return a_maps, b_maps, lambdas, r2s, errs, id_errs, curves, int(hx.shape[0])
+        mx, cxx = self.stats.centred()
+        cal = Calibration(mx.numpy(), cxx.numpy(), hx.to(torch.float32).numpy(),
+                          {il: v.to(torch.float32).numpy() for il, v in hy.items()}, eps)
+        return a_maps, b_maps, lambdas, r2s, errs, id_errs, curves, int(hx.shape[0]), cal
+
+    def importance(self) -> np.ndarray:
+        """E[x²] per input dimension over the training rows (the quantizers' importance matrix)."""
+        return (torch.diagonal(self.stats.sxx) / max(self.stats.n, 1)).to(torch.float32).numpy()
+
+
+def held_out_quality(hx: torch.Tensor, hy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps: float) -> tuple[float, float]:
+    """(R², median relative error) of the map (a, b) on held-out rows, as the fit reports them."""
+    hx, hy = hx.to(torch.float64), hy.to(torch.float64)
+    pred = hx @ a.to(torch.float64).T + b.to(torch.float64)
+    resid = ((hy - pred) ** 2).sum()
+    total = ((hy - hy.mean(0)) ** 2).sum()
+    return float(1.0 - resid / total), float(_rel_err(pred, hy, eps).median())
 
 
 def fit_ridge_maps(
@@ -426,7 +459,7 @@ def fit_ridge_maps_for_splits(
     results = []
     for acc in accs:
         t0 = time.perf_counter()
-        a_maps, b_maps, lambdas, r2s, errs, id_errs, curves, n_held = acc.solve(opt.lambda_grid, eps)
+        a_maps, b_maps, lambdas, r2s, errs, id_errs, curves, n_held, cal = acc.solve(opt.lambda_grid, eps)
         tm = FitTimings(forward_s=timings.forward_s, accumulate_s=timings.accumulate_s,
                         solve_s=time.perf_counter() - t0, tokenize_s=timings.tokenize_s)
         meta = MapFileMeta(
@@ -452,8 +485,73 @@ def fit_ridge_maps_for_splits(
             model_name=info.name or Path(model_path).name,
             tool_version=__version__,
         )
-        results.append(FitResult(RidgeMaps(meta, a_maps, b_maps), tm, len(plan), curves))
+        results.append(FitResult(RidgeMaps(meta, a_maps, b_maps, importance=acc.importance()), tm, len(plan), curves, cal))
     return results
+
+
+def compact_result(result: FitResult, *, dtype: str = "f16", form: str = "full", rank: int | None = None,
+                   rank_share: float | None = None) -> FitResult:
+    """``result``'s maps in a compact form (:mod:`ridgefill_cpp.compact`), with the held-out quality
+    of the maps as a file of storage type ``dtype`` holds them.
+
+    ``form``: ``"full"``, ``"identity_low_rank"`` (A = I + U Vᵀ) or ``"low_rank"`` (A = U Vᵀ); for
+    the low-rank forms either ``rank`` (every layer) or ``rank_share``: per layer, the smallest rank
+    (of :func:`ridgefill_cpp.compact.rank_grid`) whose held-out error keeps that share of the full
+    map's gain over the form's baseline (the largest of the grid when none does). The fit's own
+    result is not changed. Raises :class:`FitError` for a rank or type the maps cannot take."""
+    from . import compact
+
+    cal = result.calibration
+    if cal is None:
+        raise FitError("the fit result has no calibration statistics (only a fresh fit result can be compacted)")
+    maps = result.maps
+    meta = maps.meta
+    d = meta.n_embd
+    if dtype not in compact.DTYPES:
+        raise FitError(f"dtype must be one of {', '.join(compact.DTYPES)}, not {dtype!r}")
+    if form not in compact.FORMS:
+        raise FitError(f"form must be one of {', '.join(compact.FORMS)}, not {form!r}")
+    low = form != "full"
+    if low and (rank is None) == (rank_share is None):
+        raise FitError(f"a {form} map needs a rank or a share of the gain to keep (one of them)")
+    if not low and (rank is not None or rank_share is not None):
+        raise FitError("a rank applies to the low-rank forms only")
+    if rank is not None and not 1 <= rank < d:
+        raise FitError(f"rank {rank} outside 1..{d - 1} (n_embd {d})")
+    try:
+        compact.check_dtype(dtype, [d] + ([rank] if rank else []), "the maps (n_embd" + (", rank)" if rank else ")"))
+        if rank_share is not None and not 0.0 < rank_share <= 1.0:
+            raise compact.CompactError(f"the share of the gain to keep must be in (0, 1], not {rank_share!r}")
+    except compact.CompactError as e:
+        raise FitError(str(e)) from None
+    out = RidgeMaps(meta, dict(maps.a), dict(maps.b), dict(maps.g), dict(maps.state_gain_settings), {}, maps.importance)
+    ranks = []
+    if low:
+        grid = compact.rank_grid(d, dtype)
+        if rank_share is not None and not grid:
+            raise FitError(f"n_embd {d} leaves no rank for {dtype} factors (ranks are multiples of {compact.BLOCK[dtype]})")
+        for il in meta.layers:
+            basis = compact.low_rank_basis(maps.a[il], maps.b[il], cal.mx, cal.cxx, form)
+            r = rank
+            if r is None:
+                errors = compact.held_out_errors(basis, cal.held_x, cal.held_y[il], [0, *grid, d])
+                r = min(compact.rank_for_share(errors, rank_share, d), grid[-1])
+            u, vt, b = basis.factors(r)
+            out.factors[il] = (u.astype(np.float32), vt.astype(np.float32))
+            out.b[il] = b.astype(np.float32)
+            out.a[il] = basis.dense_of(u, vt).astype(np.float32)
+            ranks.append(int(r))
+    out.meta = replace(meta, map_form=form, ranks=ranks)
+    stored = out.stored(dtype)
+    hx = torch.from_numpy(cal.held_x)
+    r2s, errs = [], []
+    for il in meta.layers:
+        r2, err = held_out_quality(hx, torch.from_numpy(cal.held_y[il]), torch.from_numpy(stored.a[il]),
+                                   torch.from_numpy(stored.b[il]), cal.eps)
+        r2s.append(r2)
+        errs.append(err)
+    out.meta = replace(out.meta, r2=r2s, rel_err_median=errs)
+    return replace(result, maps=out, dtype=dtype)
 
 
 def evaluate_maps(

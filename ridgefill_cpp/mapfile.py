@@ -5,9 +5,19 @@ and the tests agree. A map file is a GGUF adapter::
 
     general.type = "adapter", adapter.type = "ridgefill", general.architecture = <the model's>
     ridgefill.*                                   metadata below
-    blk.{l}.ridgefill_a.weight  [n_embd, n_embd]  F16/F32, numpy [out, in]: ggml mul_mat(A, x) = A·x
+    blk.{l}.ridgefill_a.weight  [n_embd, n_embd]  F16/F32/Q8_0/Q4_0/Q4_K, numpy [out, in]: ggml mul_mat(A, x) = A·x
     blk.{l}.ridgefill_b.bias    [n_embd]          F32
     for every late layer l = S+1 .. L-1          (l = S uses x_S itself)
+
+or, for a low-rank map (``ridgefill.map_form`` = ``"identity_low_rank"``: A = I + U Vᵀ, or
+``"low_rank"``: A = U Vᵀ; :mod:`ridgefill_cpp.compact`), instead of ``ridgefill_a``::
+
+    blk.{l}.ridgefill_a_down.weight  [r, n_embd]  Vᵀ, numpy [r, in]
+    blk.{l}.ridgefill_a_up.weight    [n_embd, r]  U, numpy [out, r]
+    with r = ridgefill.map_ranks[l - S - 1]
+
+Every map matrix of a file has one storage type (``fit --dtype``); a file without
+``ridgefill.map_form`` holds full matrices.
     blk.{l}.ridgefill_state_gain.weight [n_v_heads]  F32, optional (hybrid models, qwen35): the
         per-value-head gains of the terminal-state correction (docs/design.md §4 item 4;
         :mod:`ridgefill_cpp.state_gains`), for every mapped layer l that is recurrent (Gated
@@ -31,7 +41,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -74,6 +84,10 @@ KEY_FINGERPRINT = "ridgefill.model.fingerprint"
 KEY_MODEL_NAME = "ridgefill.model.name"
 #: per-tensor content digests, "NAME HEX" (XXH64 of the tensor's bytes, seed 0)
 KEY_DIGEST = "ridgefill.digest.xxh64"
+#: "full" (A), "identity_low_rank" (A = I + U Vᵀ) or "low_rank" (A = U Vᵀ); absent: "full"
+KEY_MAP_FORM = "ridgefill.map_form"
+#: the rank r of each mapped layer's low-rank map (low-rank forms only)
+KEY_MAP_RANKS = "ridgefill.map_ranks"
 # the operating point the state gains were fitted at (optional, only with state-gain tensors)
 KEY_STATE_GAIN_TAIL = "ridgefill.state_gain.tail"
 KEY_STATE_GAIN_FRACTION = "ridgefill.state_gain.exact_fraction"
@@ -129,6 +143,14 @@ def tensor_name_a(il: int) -> str:
     return f"blk.{il}.ridgefill_a.weight"
 
 
+def tensor_name_a_down(il: int) -> str:
+    return f"blk.{il}.ridgefill_a_down.weight"
+
+
+def tensor_name_a_up(il: int) -> str:
+    return f"blk.{il}.ridgefill_a_up.weight"
+
+
 def tensor_name_b(il: int) -> str:
     return f"blk.{il}.ridgefill_b.bias"
 
@@ -170,6 +192,11 @@ class MapFileMeta:
     format_version: int = FORMAT_VERSION
     #: the content digest the file's tensors were checked against ("xxh64"), "" when it has none
     digest: str = ""
+    #: the map form (:data:`ridgefill_cpp.compact.FORMS`) and, for the low-rank forms, each layer's rank
+    map_form: str = "full"
+    ranks: list[int] = field(default_factory=list)
+    #: the storage type of the map matrices as read (:data:`ridgefill_cpp.compact.DTYPES`), "" before writing
+    dtype: str = ""
 
     @property
     def input_norm(self) -> str:
@@ -192,13 +219,44 @@ class RidgeMaps:
     #: exact_fraction, selector, value_rescale, windows, window_rows); empty when the file does not
     #: record it (older files) or has no gains
     state_gain_settings: dict[str, Any] = field(default_factory=dict)
+    #: low-rank maps: layer -> (U [n_embd, r], Vᵀ [r, n_embd]) float32, with ``a`` holding the matrix
+    #: they stand for (I + U Vᵀ or U Vᵀ, :attr:`MapFileMeta.map_form`); empty for full maps
+    factors: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    #: E[φ(x_S)²] per input dimension on the calibration rows (from ``fit``; not stored): the
+    #: importance matrix a quantized map is written with (:func:`ridgefill_cpp.compact.quantize`)
+    importance: np.ndarray | None = None
 
     def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
-        """x̂_l for rows ``xs`` ([n, n_embd] split-layer states), as the runtime computes it."""
+        """x̂_l for rows ``xs`` ([n, n_embd] split-layer states), as the runtime computes it (a
+        low-rank map as its two thin products)."""
         xs = np.asarray(xs, dtype=np.float64)
         if self.meta.objective == "normalized":
             xs = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + self.meta.input_norm_eps)
+        if il in self.factors:
+            up, down = self.factors[il]
+            out = (xs @ down.astype(np.float64).T) @ up.astype(np.float64).T + self.b[il]
+            return out + xs if self.meta.map_form == "identity_low_rank" else out
         return xs @ self.a[il].astype(np.float64).T + self.b[il]
+
+    def stored(self, dtype: str) -> "RidgeMaps":
+        """These maps as a file of storage type ``dtype`` reads them back (the quantization error
+        included; :func:`write_map_file` stores the same bytes)."""
+        from . import compact
+
+        out = RidgeMaps(replace(self.meta, dtype=dtype), dict(self.a), dict(self.b), dict(self.g), dict(self.state_gain_settings),
+                        {}, self.importance)
+        if self.factors:
+            for il, (up, down) in self.factors.items():
+                up2 = compact.round_trip(up, dtype)
+                down2 = compact.round_trip(down, dtype, self.importance)
+                out.factors[il] = (up2, down2)
+                dense = up2.astype(np.float64) @ down2.astype(np.float64)
+                if self.meta.map_form == "identity_low_rank":
+                    dense += np.eye(dense.shape[0])
+                out.a[il] = dense.astype(np.float32)
+        else:
+            out.a = {il: compact.round_trip(a, dtype, self.importance) for il, a in self.a.items()}
+        return out
 
 
 def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f16", overwrite: bool = False) -> Path:
@@ -206,14 +264,34 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
     same directory, then a rename). Only a regular file is replaced (a symlink, FIFO or device at
     ``path`` is refused, :class:`ridgefill_cpp.files.OutputPathError`), and only with ``overwrite``
     (``FileExistsError`` otherwise). A new file gets the mode ``open()`` gives (``0666 & ~umask``);
-    a replaced file keeps its permission bits."""
+    a replaced file keeps its permission bits.
+
+    ``dtype`` is the storage type of the map matrices (:data:`ridgefill_cpp.compact.DTYPES`): a
+    quantized type is written by ggml's quantizer with ``maps.importance`` as its importance matrix;
+    a row length that is not a multiple of its block raises :class:`MapFileError`. Low-rank maps
+    (``maps.factors``) are written as their two factors."""
     import gguf
 
+    from . import compact
+
     meta = maps.meta
-    if dtype not in ("f16", "f32"):
-        raise ValueError(f"dtype must be 'f16' or 'f32', not {dtype!r}")
-    path = check_output(path, overwrite=overwrite)
+    if dtype not in compact.DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(compact.DTYPES)}, not {dtype!r}")
     check_maps(maps)
+    rows = {meta.n_embd} | {int(up.shape[1]) for up, _ in maps.factors.values()}
+    try:
+        compact.check_dtype(dtype, sorted(rows), f"the maps of {meta.model_name or meta.architecture} "
+                                                 f"({'n_embd' if len(rows) == 1 else 'n_embd and ranks'})")
+    except compact.CompactError as e:
+        raise MapFileError(str(e)) from None
+    path = check_output(path, overwrite=overwrite)
+
+    def add_matrix(w, name: str, x: np.ndarray, importance: np.ndarray | None = None) -> None:
+        q = compact.quantize(x, dtype, importance)
+        if dtype in compact.QUANTIZED:
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType(compact.GGML_TYPES[dtype]))
+        else:
+            w.add_tensor(name, q)
     with _map_writer(path, meta.architecture) as w:
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string("adapter.type", ADAPTER_TYPE)
@@ -241,9 +319,16 @@ def write_map_file(path: os.PathLike | str, maps: RidgeMaps, *, dtype: str = "f1
             w.add_key_value(key, [float(x) for x in vals], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
         w.add_string(KEY_FINGERPRINT, meta.fingerprint or "unknown")
         w.add_string(KEY_MODEL_NAME, meta.model_name or meta.architecture)
+        if meta.map_form != "full":
+            w.add_string(KEY_MAP_FORM, meta.map_form)
+            w.add_array(KEY_MAP_RANKS, [int(maps.factors[il][0].shape[1]) for il in meta.layers])
         for il in meta.layers:
-            a = np.ascontiguousarray(maps.a[il], dtype=np.float16 if dtype == "f16" else np.float32)
-            w.add_tensor(tensor_name_a(il), a)
+            if il in maps.factors:
+                up, down = maps.factors[il]
+                add_matrix(w, tensor_name_a_down(il), down, maps.importance)
+                add_matrix(w, tensor_name_a_up(il), up)
+            else:
+                add_matrix(w, tensor_name_a(il), maps.a[il], maps.importance)
             w.add_tensor(tensor_name_b(il), np.ascontiguousarray(maps.b[il], dtype=np.float32))
         if maps.g:
             for key, value, kind in state_gain_key_values(maps.state_gain_settings):
@@ -384,13 +469,44 @@ def check_maps(maps: RidgeMaps) -> None:
             raise MapFileError(f"{name} has {len(vals)} entries, expected one per mapped layer ({len(want)})")
     for il in want:
         a, b = maps.a.get(il), maps.b.get(il)
+        if m.map_form != "full" and il not in maps.factors:
+            raise MapFileError(f"layer {il}: missing {tensor_name_a_up(il)} / {tensor_name_a_down(il)} ({m.map_form} maps)")
         if a is None or b is None:
             raise MapFileError(f"layer {il}: missing {tensor_name_a(il) if a is None else tensor_name_b(il)}")
         if a.shape != (m.n_embd, m.n_embd) or b.shape != (m.n_embd,):
             raise MapFileError(f"layer {il}: A {a.shape} / b {b.shape}, expected ({m.n_embd}, {m.n_embd}) / ({m.n_embd},)")
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise MapFileError(f"layer {il}: the map has NaN or Inf values")
+    check_factors(maps, want)
     check_state_gains(maps.g, want)
+
+
+def check_factors(maps: RidgeMaps, layers: Sequence[int]) -> None:
+    """The map form and, for the low-rank forms, one pair of factors per mapped layer of matching
+    shapes (U [n_embd, r], Vᵀ [r, n_embd], 1 <= r < n_embd), finite, with ``meta.ranks`` their ranks."""
+    from .compact import FORMS
+
+    m = maps.meta
+    if m.map_form not in FORMS:
+        raise MapFileError(f"{KEY_MAP_FORM} = {m.map_form!r}: expected one of {', '.join(FORMS)}")
+    if m.map_form == "full":
+        if maps.factors or m.ranks:
+            raise MapFileError("full maps with low-rank factors or ranks")
+        return
+    if sorted(maps.factors) != list(layers):
+        raise MapFileError(f"{m.map_form} maps need factors for layers {list(layers)}, have {sorted(maps.factors)}")
+    ranks = []
+    for il in layers:
+        up, down = maps.factors[il]
+        r = up.shape[1] if up.ndim == 2 else -1
+        if up.shape != (m.n_embd, r) or down.shape != (r, m.n_embd) or not 1 <= r < m.n_embd:
+            raise MapFileError(f"layer {il}: low-rank factors {tensor_name_a_up(il)} {up.shape} / {tensor_name_a_down(il)} "
+                               f"{down.shape}, expected ({m.n_embd}, r) / (r, {m.n_embd}) with 1 <= r < {m.n_embd}")
+        if not (np.isfinite(up).all() and np.isfinite(down).all()):
+            raise MapFileError(f"layer {il}: the low-rank factors have NaN or Inf values")
+        ranks.append(int(r))
+    if m.ranks and list(m.ranks) != ranks:
+        raise MapFileError(f"{KEY_MAP_RANKS} = {list(m.ranks)}, the factors have ranks {ranks}")
 
 
 def check_state_gains(gains: dict[int, np.ndarray], layers: Sequence[int]) -> None:
@@ -437,9 +553,7 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
         _, header = read_header(path)
     except GGUFFileError as e:
         raise MapFileError(str(e)) from None
-    for t in header:  # before reading the data: the C++ loader takes F32 gains only
-        if t.name.endswith(_STATE_GAIN_SUFFIX) and t.ggml_type != GGMLQuantizationType.F32:
-            raise MapFileError(f"{path}: {t.name} is {_ggml_type_name(t.ggml_type)}, state gains must be F32")
+    meta.dtype = _check_tensor_types(path, header)  # before reading the data
     try:
         tensors = read_tensors(path)
     except GGUFFileError as e:
@@ -450,6 +564,20 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
             maps.a[il] = tensors[tensor_name_a(il)]
         if tensor_name_b(il) in tensors:
             maps.b[il] = tensors[tensor_name_b(il)]
+        if meta.map_form != "full" and tensor_name_a_up(il) in tensors and tensor_name_a_down(il) in tensors:
+            up, down = tensors[tensor_name_a_up(il)], tensors[tensor_name_a_down(il)]
+            maps.factors[il] = (up, down)
+            if up.ndim == 2 and down.ndim == 2 and up.shape[1] == down.shape[0]:
+                dense = up.astype(np.float64) @ down.astype(np.float64)
+                if meta.map_form == "identity_low_rank" and dense.shape[0] == dense.shape[1]:
+                    dense += np.eye(dense.shape[0])
+                maps.a[il] = dense.astype(np.float32)
+    stray = sorted(n for n in tensors if n.endswith(_MATRIX_SUFFIXES) and n not in
+                   {f(il) for il in meta.layers for f in ((tensor_name_a,) if meta.map_form == "full"
+                                                            else (tensor_name_a_up, tensor_name_a_down))})
+    if stray:
+        raise MapFileError(f"{path}: tensor {stray[0]} does not belong in {meta.map_form} maps of layers "
+                           f"{meta.layers[0]}..{meta.layers[-1]}")
     for name, t in tensors.items():  # every gain tensor, so that a stray one is reported
         if name.startswith("blk.") and name.endswith(_STATE_GAIN_SUFFIX):
             try:
@@ -464,6 +592,35 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
         raise MapFileError(f"{path}: {e}") from None
     meta.digest = check_digests(path, md)
     return maps
+
+
+_MATRIX_SUFFIXES = (".ridgefill_a.weight", ".ridgefill_a_down.weight", ".ridgefill_a_up.weight")
+
+
+def _check_tensor_types(path: os.PathLike | str, header: Sequence[Any]) -> str:
+    """The storage type of the file's map matrices (one for all of them, one the runtime multiplies:
+    :data:`ridgefill_cpp.compact.DTYPES`), after checking that the biases and state gains are F32.
+    Raises :class:`MapFileError` naming the first tensor of another type."""
+    from gguf import GGMLQuantizationType
+
+    from . import compact
+
+    first = None
+    for t in header:
+        if t.name.endswith((".ridgefill_b.bias", _STATE_GAIN_SUFFIX)):
+            if t.ggml_type != GGMLQuantizationType.F32:
+                what = "state gains" if t.name.endswith(_STATE_GAIN_SUFFIX) else "biases"
+                raise MapFileError(f"{path}: {t.name} is {_ggml_type_name(t.ggml_type)}, {what} must be F32")
+        elif t.name.endswith(_MATRIX_SUFFIXES):
+            if t.ggml_type not in compact.GGML_TYPES.values():
+                raise MapFileError(f"{path}: {t.name} is {_ggml_type_name(t.ggml_type)}; map matrices must be one of "
+                                   f"{', '.join(d.upper() for d in compact.DTYPES)}")
+            if first is None:
+                first = t
+            elif t.ggml_type != first.ggml_type:
+                raise MapFileError(f"{path}: {t.name} is {_ggml_type_name(t.ggml_type)}, {first.name} is "
+                                   f"{_ggml_type_name(first.ggml_type)}: every map matrix of a file has one type")
+    return compact.dtype_name(first.ggml_type) if first is not None else ""
 
 
 def _meta_from_metadata(md: dict[str, Any], path: os.PathLike | str) -> MapFileMeta:
@@ -514,6 +671,8 @@ def _meta_from_metadata(md: dict[str, Any], path: os.PathLike | str) -> MapFileM
         model_name=get(KEY_MODEL_NAME, "str", ""),
         tool_version=get(KEY_TOOL_VERSION, "str", ""),
         format_version=get(KEY_FORMAT_VERSION, "int"),
+        map_form=get(KEY_MAP_FORM, "str", "full"),
+        ranks=list(get(KEY_MAP_RANKS, "ints", [])),
     )
     try:
         check_meta_values(meta)
@@ -767,8 +926,27 @@ def late_layers(split_layer: int, n_layer: int) -> Sequence[int]:
 
 
 def map_tensor_bytes(path: os.PathLike | str) -> int:
-    """Bytes of the map tensors in a map file (what a loaded copy takes, F16 or F32 as stored)."""
+    """Bytes of the map tensors in a map file (what a loaded copy takes, in the stored type)."""
+    return sum(map_tensor_bytes_by_layer(path).values())
+
+
+def map_tensor_bytes_by_layer(path: os.PathLike | str) -> dict[int, int]:
+    """Bytes of each mapped layer's tensors (matrices or factors, bias, state gains) in a map file."""
     from gguf import GGUFReader
 
-    return int(sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
-                   if t.name.endswith((".ridgefill_a.weight", ".ridgefill_b.bias", _STATE_GAIN_SUFFIX))))
+    out: dict[int, int] = {}
+    for t in GGUFReader(str(path)).tensors:
+        if t.name.startswith("blk.") and t.name.endswith(_MATRIX_SUFFIXES + (".ridgefill_b.bias", _STATE_GAIN_SUFFIX)):
+            il = int(t.name.split(".")[1])
+            out[il] = out.get(il, 0) + int(t.n_bytes)
+    return dict(sorted(out.items()))
+
+
+def describe_form(meta: MapFileMeta) -> str:
+    """The map matrices in words: ``"Q8_0, full matrices"``, ``"F16, I + U Vᵀ of rank 64"``."""
+    dtype = (meta.dtype or "?").upper()
+    if meta.map_form == "full":
+        return f"{dtype}, full {meta.n_embd}×{meta.n_embd} matrices"
+    ranks = sorted(set(meta.ranks))
+    rank = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, meta.ranks))} (per layer)"
+    return f"{dtype}, {'I + U Vᵀ' if meta.map_form == 'identity_low_rank' else 'U Vᵀ'} of {rank}"

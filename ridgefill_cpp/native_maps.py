@@ -67,6 +67,16 @@ class NativeMaps:
         return "host" if N.llama_ridgefill_maps_host(self.handle) else "resident"
 
     @property
+    def type(self) -> str:
+        """The storage type of the map matrices: ``"f32"``, ``"f16"``, ``"q8_0"``, ``"q4_0"`` or ``"q4_k"``."""
+        return N.llama_ridgefill_maps_type(self.handle).decode()
+
+    @property
+    def form(self) -> str:
+        """``"full"``, ``"identity_low_rank"`` (A = I + U Vᵀ) or ``"low_rank"`` (A = U Vᵀ)."""
+        return N.llama_ridgefill_maps_form(self.handle).decode()
+
+    @property
     def buffer_types(self) -> list[str]:
         """The ggml buffer types holding the maps (e.g. ``["CPU"]``, ``["CUDA0"]``, ``["CUDA_Host"]``)."""
         names = N.llama_ridgefill_maps_buffer_types(self.handle).decode()

@@ -463,11 +463,14 @@ class Llama(llama_cpp.Llama):
 
     def ridgefill_memory(self) -> dict[str, Any]:
         """Where the maps live: ``maps_bytes``, ``maps_placement`` (``"resident"`` / ``"host"``) and
-        ``maps_buffers`` (the ggml buffer types); 0 bytes for identity fill."""
+        ``maps_buffers`` (the ggml buffer types) and ``maps_type`` (the storage type and, for a low-rank
+        map, its form: ``"q8_0"``, ``"f16 identity_low_rank"``); 0 bytes for identity fill."""
         m = self._rf_maps
         if m is None:
-            return {"maps_bytes": 0, "maps_placement": self._rf.placement if self._rf else None, "maps_buffers": []}
-        return {"maps_bytes": m.n_bytes, "maps_placement": m.placement, "maps_buffers": m.buffer_types}
+            return {"maps_bytes": 0, "maps_placement": self._rf.placement if self._rf else None, "maps_buffers": [],
+                    "maps_type": None}
+        return {"maps_bytes": m.n_bytes, "maps_placement": m.placement, "maps_buffers": m.buffer_types,
+                "maps_type": m.type + ("" if m.form == "full" else f" {m.form}")}
 
     def _floats(self, getter) -> list[float]:
         n = getter(self._ctx.ctx, None, 0)

@@ -148,6 +148,7 @@ STATS: Mapping[str, str] = {
     "maps_bytes": "bytes of the maps (0: identity fill)",
     "maps_placement": "'resident' or 'host'",
     "maps_buffers": "the ggml buffer types holding the maps",
+    "maps_type": "the map matrices' storage type and form, e.g. 'f16', 'q8_0', 'f16 identity_low_rank' (None: identity fill)",
 }
 
 
