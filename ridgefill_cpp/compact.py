@@ -152,6 +152,38 @@ def round_trip(x: np.ndarray, dtype: str, importance: np.ndarray | None = None) 
     return dequantize(quantize(x, dtype, importance), dtype, np.shape(x)[1])
 
 
+def cpu_activation_round(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` [rows, n] as ggml's CPU backend hands it to the dot product with a matrix of type
+    ``dtype``: converted to the type's ``vec_dot_type`` and back - F16 for f16, Q8_0 blocks of 32
+    for q8_0 and q4_0, Q8_K blocks of 256 for q4_k (``quantize_row_q8_0_ref``,
+    ``quantize_row_q8_K_ref``), unchanged for f32. The products themselves are then exact, so the
+    oracle (:meth:`ridgefill_cpp.mapfile.RidgeMaps.predict` with ``activation_rounding``) meets
+    libllama's CPU fill step to float32 rounding. Other backends round activations their own way."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "f32":
+        return x32.astype(np.float64)
+    if dtype == "f16":
+        return x32.astype(np.float16).astype(np.float64)
+    rows, n = x32.shape
+    if dtype in ("q8_0", "q4_0"):  # Q8_0: d = amax/127 stored as F16, q = roundf(x / d)
+        blocks = x32.reshape(rows, n // 32, 32)
+        d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        q = np.trunc(blocks * inv + np.copysign(np.float32(0.5), blocks * inv))  # roundf: half away from zero
+        return (q * d.astype(np.float16).astype(np.float64)).reshape(rows, n)
+    if dtype == "q4_k":  # Q8_K: the signed value of largest magnitude -> -127, d = 1/iscale in F32
+        blocks = x32.reshape(rows, n // 256, 256)
+        idx = np.abs(blocks).argmax(axis=-1)[..., None]
+        mx = np.take_along_axis(blocks, idx, axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iscale = np.where(mx == 0, np.float32(0), np.float32(-127) / mx).astype(np.float32)
+            d = np.where(mx == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
+        v = np.minimum(np.rint(iscale * blocks), 127)  # nearest_int: round half to even
+        return (v * d.astype(np.float64)).reshape(rows, n)
+    raise CompactError(f"no CPU activation rounding for {dtype!r}")
+
+
 # ------------------------------------------------------------------------------------------------
 # low rank (reduced-rank regression in the calibration inputs' metric)
 

@@ -225,6 +225,10 @@ class RidgeMaps:
     #: E[φ(x_S)²] per input dimension on the calibration rows (from ``fit``; not stored): the
     #: importance matrix a quantized map is written with (:func:`ridgefill_cpp.compact.quantize`)
     importance: np.ndarray | None = None
+    #: :meth:`predict` rounds each product's input as ggml's CPU backend does for the stored type
+    #: (:func:`ridgefill_cpp.compact.cpu_activation_round`): off, the exact product with the stored
+    #: values; on, what libllama's CPU fill step computes (the oracle tests of quantized maps)
+    activation_rounding: bool = False
 
     def predict(self, il: int, xs: np.ndarray) -> np.ndarray:
         """x̂_l for rows ``xs`` ([n, n_embd] split-layer states), as the runtime computes it (a
@@ -232,11 +236,17 @@ class RidgeMaps:
         xs = np.asarray(xs, dtype=np.float64)
         if self.meta.objective == "normalized":
             xs = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + self.meta.input_norm_eps)
+        if self.activation_rounding and self.meta.dtype:
+            from .compact import cpu_activation_round
+
+            rnd = lambda x: cpu_activation_round(x, self.meta.dtype)  # noqa: E731
+        else:
+            rnd = lambda x: x  # noqa: E731
         if il in self.factors:
             up, down = self.factors[il]
-            out = (xs @ down.astype(np.float64).T) @ up.astype(np.float64).T + self.b[il]
+            out = rnd(rnd(xs) @ down.astype(np.float64).T) @ up.astype(np.float64).T + self.b[il]
             return out + xs if self.meta.map_form == "identity_low_rank" else out
-        return xs @ self.a[il].astype(np.float64).T + self.b[il]
+        return rnd(xs) @ self.a[il].astype(np.float64).T + self.b[il]
 
     def stored(self, dtype: str) -> "RidgeMaps":
         """These maps as a file of storage type ``dtype`` reads them back (the quantization error
