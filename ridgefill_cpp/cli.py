@@ -349,11 +349,13 @@ def fit(
                                                           f"{settings.FIT_CTX}). Several, comma-separated (e.g. 512,4096): "
                                                           "mixed-length windows, each length an equal share of the tokens."),
     objective: str = typer.Option("normalized", "--objective", help="normalized: fit RMS-normalised states (what the layer's norm sees); raw: fit the states as they are."),
-    dtype: str = typer.Option(
-        "f16", "--dtype", help="Storage type of the map matrices: f16, f32, or a ggml block type that mul_mat multiplies as "
-                               "stored on every backend: q8_0 (0.53x the bytes of f16), q4_0 or q4_k (0.28x; q4_k needs "
-                               "n_embd a multiple of 256), quantized by llama.cpp's quantizer weighted by the calibration "
-                               "inputs' second moments. The quality table then shows the maps as stored."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help=f"Storage type of the map matrices: f16, f32, or a ggml block type that mul_mat multiplies as "
+                              f"stored on every backend: q8_0 (0.53x the bytes of f16), q4_0 or q4_k (0.28x; q4_k needs "
+                              f"n_embd a multiple of 256), quantized by llama.cpp's quantizer weighted by the calibration "
+                              f"inputs' second moments. The quality table then shows the maps as stored. Default "
+                              f"{settings.FIT_DTYPE} (as good as f16 on both real models, docs/compact-maps; f16 where "
+                              f"n_embd is not a multiple of 32)."),
     rank: Optional[int] = typer.Option(
         None, "--rank", min=1, help="Low-rank maps of this rank for every layer (see --rank-form), applied as two thin "
                                     "products: 2·r·n_embd values per layer instead of n_embd². With a quantized --dtype, "
@@ -395,8 +397,10 @@ def fit(
     if min(lengths) < 8 or len(set(lengths)) != len(lengths):
         _fail(f"--ctx must be distinct window lengths of at least 8 rows, not {ctx!r}")
     ctx = max(lengths)  # the state gains' windows
-    from .compact import DTYPES
+    from .compact import BLOCK, DTYPES, QUANTIZED
 
+    dtype_given = dtype is not None
+    dtype = settings.FIT_DTYPE if dtype is None else dtype
     if dtype not in DTYPES:
         _fail(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if rank is not None and rank_share is not None:
@@ -415,6 +419,10 @@ def fit(
         splits = [info.default_split] if split is None else [int(x) for x in split.split(",") if x.strip()]
     except ValueError:
         _fail(f"--split must be a layer number or comma-separated layer numbers, not {split!r}")
+    if not dtype_given and info.n_embd % BLOCK[dtype]:
+        out.print(f"note: n_embd {info.n_embd} is not a multiple of {dtype}'s {BLOCK[dtype]}-element blocks: "
+                  "the maps are stored as f16", highlight=False)
+        dtype = "f16"
     try:  # before the capture: a type or rank the maps cannot take
         from .compact import CompactError, check_dtype
 
@@ -471,7 +479,7 @@ def fit(
             _fail(str(e))
     for res, path in zip(results, outputs):
         try:
-            if form != "full" or dtype not in ("f16", "f32"):
+            if form != "full" or dtype in QUANTIZED:
                 res = compact_result(res, dtype=dtype, form=form, rank=rank, rank_share=rank_share)
             write_map_file(path, res.maps, dtype=dtype, overwrite=force)
         except (FitError, MapFileError) as e:

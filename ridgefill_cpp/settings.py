@@ -87,6 +87,10 @@ TUNE_RETRIEVAL_CODES = 2
 #: fit: the calibration token budget and rows per calibration window
 FIT_TOKENS = 100_000
 FIT_CTX = 512
+#: ``fit``'s storage type of the map matrices: Q8_0 kept novel-token ΔNLL within F16's CI and every
+#: planted code on both real models at 0.53x the bytes (docs/compact-maps); F16 where n_embd is not a
+#: multiple of Q8_0's 32-element blocks
+FIT_DTYPE = "q8_0"
 
 # ------------------------------------------------------------------------------------------------
 # names and their C values
@@ -288,6 +292,6 @@ def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
            "SPAN", "MAX_SPAN", "SPAN_SHARE", "RECENCY_SHARE", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
            "BENCH_GREEDY_TOKENS", "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS",
-           "TUNE_LENGTH", "TUNE_DOCS", "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS", "FIT_CTX", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
+           "TUNE_LENGTH", "TUNE_DOCS", "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS", "FIT_CTX", "FIT_DTYPE", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
            "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",
            "parse_selector", "check", "check_selector", "resolve_tunable"]

@@ -369,7 +369,7 @@ def _flat(text: str) -> str:
 def test_cli_fit_and_info_with_compact_maps(cli, tiny_models, tmp_path):
     model = tiny_models["llama"]
     out = tmp_path / "q8.gguf"
-    r = cli("fit", model, "--tokens", "3000", "--ctx", "128", "--dtype", "q8_0", "-o", out, "--threads", "1")
+    r = cli("fit", model, "--tokens", "3000", "--ctx", "128", "-o", out, "--threads", "1")  # q8_0: the default
     assert r.exit_code == 0, r.output
     assert _flat("as stored (Q8_0, full 64×64 matrices)") in _flat(r.output) and "maps: Q8_0" in r.output
     r = cli("info", out, "--model", model)
@@ -381,7 +381,7 @@ def test_cli_fit_and_info_with_compact_maps(cli, tiny_models, tmp_path):
     assert d["dtype"] == "q8_0" and d["map_form"] == "full" and d["ranks"] == []
     assert d["maps_bytes"] == sum(d["maps_bytes_per_layer"].values()) == mapfile.map_tensor_bytes(out)
     low = tmp_path / "low.gguf"
-    r = cli("fit", model, "--tokens", "3000", "--ctx", "128", "--rank-share", "0.9", "-o", low, "--threads", "1")
+    r = cli("fit", model, "--tokens", "3000", "--ctx", "128", "--rank-share", "0.9", "--dtype", "f16", "-o", low, "--threads", "1")
     assert r.exit_code == 0, r.output
     d = json.loads(cli("info", low, "--json").output)
     assert d["map_form"] == "identity_low_rank" and d["dtype"] == "f16" and len(d["ranks"]) == len(d["layers"])

@@ -189,8 +189,9 @@ def test_cli_fit_then_info(cli, tiny_models, tmp_path):
     res = cli("info", "--json", out)
     assert res.exit_code == 0 and '"split_layer": 4' in res.output
     maps = read_map_file(out)
-    # F16 A (the default dtype) and F32 b per mapped layer
-    assert json.loads(res.output)["maps_bytes"] == sum(a.size * 2 + maps.b[il].size * 4 for il, a in maps.a.items())
+    # Q8_0 A (the default dtype: 34 bytes per 32 values) and F32 b per mapped layer
+    assert maps.meta.dtype == "q8_0"
+    assert json.loads(res.output)["maps_bytes"] == sum(a.size // 32 * 34 + maps.b[il].size * 4 for il, a in maps.a.items())
     # the output exists now: refused without --force, and left as it was
     digest = _sha(out)
     res = cli("fit", model, "--tokens", 3000, "--ctx", 128)
