@@ -206,8 +206,13 @@ class LowRank:
 
     def dense_of(self, u: np.ndarray, vt: np.ndarray) -> np.ndarray:
         """The matrix the factors stand for: I + U Vᵀ or U Vᵀ."""
-        uv = u @ vt
-        return uv + np.eye(uv.shape[0]) if self.form == "identity_low_rank" else uv
+        return dense_map(u, vt, self.form)
+
+
+def dense_map(up: np.ndarray, down: np.ndarray, form: str) -> np.ndarray:
+    """The matrix low-rank factors stand for (float64): I + U Vᵀ (``"identity_low_rank"``) or U Vᵀ."""
+    uv = np.asarray(up, dtype=np.float64) @ np.asarray(down, dtype=np.float64)
+    return uv + np.eye(uv.shape[0]) if form == "identity_low_rank" else uv
 
 
 def low_rank_basis(a: np.ndarray, b: np.ndarray, mx: np.ndarray, cxx: np.ndarray, form: str) -> LowRank:

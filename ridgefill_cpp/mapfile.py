@@ -260,10 +260,7 @@ class RidgeMaps:
                 up2 = compact.round_trip(up, dtype)
                 down2 = compact.round_trip(down, dtype, self.importance)
                 out.factors[il] = (up2, down2)
-                dense = up2.astype(np.float64) @ down2.astype(np.float64)
-                if self.meta.map_form == "identity_low_rank":
-                    dense += np.eye(dense.shape[0])
-                out.a[il] = dense.astype(np.float32)
+                out.a[il] = compact.dense_map(up2, down2, self.meta.map_form).astype(np.float32)
         else:
             out.a = {il: compact.round_trip(a, dtype, self.importance) for il, a in self.a.items()}
         return out
@@ -568,6 +565,8 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
         tensors = read_tensors(path)
     except GGUFFileError as e:
         raise MapFileError(str(e)) from None
+    from .compact import dense_map
+
     maps = RidgeMaps(meta, {}, {})
     for il in meta.layers:
         if tensor_name_a(il) in tensors:
@@ -578,10 +577,8 @@ def read_map_file(path: os.PathLike | str) -> RidgeMaps:
             up, down = tensors[tensor_name_a_up(il)], tensors[tensor_name_a_down(il)]
             maps.factors[il] = (up, down)
             if up.ndim == 2 and down.ndim == 2 and up.shape[1] == down.shape[0]:
-                dense = up.astype(np.float64) @ down.astype(np.float64)
-                if meta.map_form == "identity_low_rank" and dense.shape[0] == dense.shape[1]:
-                    dense += np.eye(dense.shape[0])
-                maps.a[il] = dense.astype(np.float32)
+                square = up.shape[0] == down.shape[1]  # else check_maps names the shapes
+                maps.a[il] = dense_map(up, down, meta.map_form if square else "low_rank").astype(np.float32)
     stray = sorted(n for n in tensors if n.endswith(_MATRIX_SUFFIXES) and n not in
                    {f(il) for il in meta.layers for f in ((tensor_name_a,) if meta.map_form == "full"
                                                             else (tensor_name_a_up, tensor_name_a_down))})
@@ -880,10 +877,11 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
 
 def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None = None, *,
                      drop_key=lambda name: False, add_keys: Sequence[tuple[str, Any, Any]] = (),
-                     drop_tensor=lambda name: False, add_tensors: Sequence[tuple[str, np.ndarray]] = ()) -> Path:
+                     drop_tensor=lambda name: False, add_tensors: Sequence[tuple] = ()) -> Path:
     """Copy the GGUF at ``path`` to ``out_path`` (default: ``path`` itself) with every key and tensor
     (tensor bytes included, F16 stays F16) except those ``drop_key`` / ``drop_tensor`` accept, then
-    ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array)). Atomic
+    ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array), or (name, raw
+    bytes, GGMLQuantizationType) for a quantized tensor). Atomic
     (:func:`ridgefill_cpp.files.atomic_path`): a temporary file next to the output, then a rename (a
     symlink is followed; the output gets the source's permission bits); on any error the output is
     left as it was. The source's tensors are checked against its content digest first (a corrupted
@@ -915,8 +913,8 @@ def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None
                 w.add_tensor(t.name, np.asarray(t.data).reshape(shape))
             else:
                 w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-        for name, arr in add_tensors:
-            w.add_tensor(name, arr)
+        for name, arr, *raw_dtype in add_tensors:
+            w.add_tensor(name, arr, raw_dtype=raw_dtype[0] if raw_dtype else None)
     del reader
     return out_path
 

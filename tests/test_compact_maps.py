@@ -274,24 +274,15 @@ def _raw_matrix(dtype: str, x: np.ndarray):
 def _rewrite(src, dst, tensor: str, data: np.ndarray, raw_dtype):
     """``src`` with ``tensor`` replaced by the raw ``data`` of type ``raw_dtype``, with a fresh content
     digest (so that only the check under test fails)."""
-    import gguf
+    return mapfile.rewrite_map_file(src, dst, drop_tensor=lambda n: n == tensor, add_tensors=[(tensor, data, raw_dtype)])
 
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    with mapfile._map_writer(dst, arch) as w:
-        for name, fld in reader.fields.items():
-            if name.startswith("GGUF.") or name in ("general.architecture", mapfile.KEY_DIGEST):
-                continue
-            kind = fld.types[0]
-            w.add_key_value(name, fld.contents(), kind, sub_type=fld.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-        for t in reader.tensors:
-            if t.name == tensor:
-                w.add_tensor(tensor, data, raw_dtype=raw_dtype)
-            elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
-            else:
-                w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    return dst
+
+@pytest.fixture
+def llama_model(tiny_models):
+    """The tiny llama, loaded (the refusal tests hand its llama_model to libllama's map loader)."""
+    m = open_model(tiny_models["llama"], n_ctx=64, n_batch=64)
+    yield m._model.model
+    m.close()
 
 
 def _refused(llm_model, path, model_path, message):
@@ -301,60 +292,52 @@ def _refused(llm_model, path, model_path, message):
         NativeMaps(llm_model, path, model_path=model_path)
 
 
-def test_mixed_unsupported_and_non_finite_types_are_refused_naming_the_tensor(tiny_models, files, tmp_path):
+def test_mixed_unsupported_and_non_finite_types_are_refused_naming_the_tensor(llama_model, tiny_models, files, tmp_path):
     model = tiny_models["llama"]
-    m = open_model(model, n_ctx=64, n_batch=64)
-    try:
-        q8 = files["llama", "q8_0"]
-        layers = read_map_file(q8).meta.layers
-        first, last = layers[0], layers[-1]
-        x = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-        # one layer's A in another supported type: mixed
-        mixed = _rewrite(q8, tmp_path / "mixed.gguf", mapfile.tensor_name_a(last), *_raw_matrix("q4_0", x))
-        _refused(m._model.model, mixed, model,
-                 rf"blk\.{last}\.ridgefill_a\.weight is (Q4_0|q4_0), blk\.{first}\.ridgefill_a\.weight is (Q8_0|q8_0): every map matrix of a file has one type")
-        # a type the runtime does not take
-        import gguf
-        from gguf.quants import quantize
+    q8 = files["llama", "q8_0"]
+    layers = read_map_file(q8).meta.layers
+    first, last = layers[0], layers[-1]
+    x = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    # one layer's A in another supported type: mixed
+    mixed = _rewrite(q8, tmp_path / "mixed.gguf", mapfile.tensor_name_a(last), *_raw_matrix("q4_0", x))
+    _refused(llama_model, mixed, model,
+             rf"blk\.{last}\.ridgefill_a\.weight is (Q4_0|q4_0), blk\.{first}\.ridgefill_a\.weight is (Q8_0|q8_0): every map matrix of a file has one type")
+    # a type the runtime does not take
+    import gguf
+    from gguf.quants import quantize
 
-        q51 = quantize(x, gguf.GGMLQuantizationType.Q5_1)
-        odd = _rewrite(files["llama", "q4_0"], tmp_path / "q51.gguf", mapfile.tensor_name_a(first), q51,
-                       gguf.GGMLQuantizationType.Q5_1)
-        _refused(m._model.model, odd, model, rf"blk\.{first}\.ridgefill_a\.weight is (Q5_1|q5_1)")
-        # a NaN block scale in a quantized matrix (the first two bytes of a Q8_0 block are its F16 scale)
-        raw, kind = _raw_matrix("q8_0", x)
-        raw = raw.copy()
-        raw[3, 34:36] = np.frombuffer(np.float16(np.nan).tobytes(), dtype=np.uint8)
-        nan = _rewrite(q8, tmp_path / "nan.gguf", mapfile.tensor_name_a(first), raw, kind)
-        with pytest.raises(MapFileError, match="NaN or Inf"):
-            read_map_file(nan)
-        with pytest.raises(MapFileError, match=rf"blk\.{first}\.ridgefill_a\.weight has a non-finite value \(nan\) at element {3 * 64 + 32}"):
-            NativeMaps(m._model.model, nan, model_path=model)
-    finally:
-        m.close()
+    q51 = quantize(x, gguf.GGMLQuantizationType.Q5_1)
+    odd = _rewrite(files["llama", "q4_0"], tmp_path / "q51.gguf", mapfile.tensor_name_a(first), q51,
+                   gguf.GGMLQuantizationType.Q5_1)
+    _refused(llama_model, odd, model, rf"blk\.{first}\.ridgefill_a\.weight is (Q5_1|q5_1)")
+    # a NaN block scale in a quantized matrix (the first two bytes of a Q8_0 block are its F16 scale)
+    raw, kind = _raw_matrix("q8_0", x)
+    raw = raw.copy()
+    raw[3, 34:36] = np.frombuffer(np.float16(np.nan).tobytes(), dtype=np.uint8)
+    nan = _rewrite(q8, tmp_path / "nan.gguf", mapfile.tensor_name_a(first), raw, kind)
+    with pytest.raises(MapFileError, match="NaN or Inf"):
+        read_map_file(nan)
+    with pytest.raises(MapFileError, match=rf"blk\.{first}\.ridgefill_a\.weight has a non-finite value \(nan\) at element {3 * 64 + 32}"):
+        NativeMaps(llama_model, nan, model_path=model)
 
 
-def test_low_rank_files_whose_ranks_or_factors_do_not_match_are_refused(tiny_models, files, tmp_path):
+def test_low_rank_files_whose_ranks_or_factors_do_not_match_are_refused(llama_model, tiny_models, files, tmp_path):
     import gguf
 
     model = tiny_models["llama"]
-    m = open_model(model, n_ctx=64, n_batch=64)
-    try:
-        src = files["llama", "f32-identity-r16"]
-        layers = read_map_file(src).meta.layers
-        ranks = mapfile.rewrite_map_file(src, tmp_path / "ranks.gguf", drop_key=lambda n: n == mapfile.KEY_MAP_RANKS,
-                                         add_keys=[(mapfile.KEY_MAP_RANKS, [12] * len(layers), gguf.GGUFValueType.ARRAY)])
-        with pytest.raises(MapFileError, match=r"ridgefill.map_ranks = \[12(, 12)*\], the factors have ranks \[16"):
-            read_map_file(ranks)
-        with pytest.raises(MapFileError, match=rf"tensor blk\.{layers[0]}\.ridgefill_a_down\.weight is f32 \[64, 16\], expected "):
-            NativeMaps(m._model.model, ranks, model_path=model)
-        form = mapfile.rewrite_map_file(src, tmp_path / "form.gguf", drop_key=lambda n: n == mapfile.KEY_MAP_FORM,
-                                        add_keys=[(mapfile.KEY_MAP_FORM, "sparse", gguf.GGUFValueType.STRING)])
-        _refused(m._model.model, form, model, "ridgefill.map_form = '?sparse'?")
-        full = mapfile.rewrite_map_file(src, tmp_path / "full.gguf", drop_key=lambda n: n in (mapfile.KEY_MAP_FORM, mapfile.KEY_MAP_RANKS))
-        _refused(m._model.model, full, model, rf"ridgefill_a_(down|up)\.weight|{3 * len(layers)} tensors, expected {2 * len(layers)} \(A and b")
-    finally:
-        m.close()
+    src = files["llama", "f32-identity-r16"]
+    layers = read_map_file(src).meta.layers
+    ranks = mapfile.rewrite_map_file(src, tmp_path / "ranks.gguf", drop_key=lambda n: n == mapfile.KEY_MAP_RANKS,
+                                     add_keys=[(mapfile.KEY_MAP_RANKS, [12] * len(layers), gguf.GGUFValueType.ARRAY)])
+    with pytest.raises(MapFileError, match=r"ridgefill.map_ranks = \[12(, 12)*\], the factors have ranks \[16"):
+        read_map_file(ranks)
+    with pytest.raises(MapFileError, match=rf"tensor blk\.{layers[0]}\.ridgefill_a_down\.weight is f32 \[64, 16\], expected "):
+        NativeMaps(llama_model, ranks, model_path=model)
+    form = mapfile.rewrite_map_file(src, tmp_path / "form.gguf", drop_key=lambda n: n == mapfile.KEY_MAP_FORM,
+                                    add_keys=[(mapfile.KEY_MAP_FORM, "sparse", gguf.GGUFValueType.STRING)])
+    _refused(llama_model, form, model, "ridgefill.map_form = '?sparse'?")
+    full = mapfile.rewrite_map_file(src, tmp_path / "full.gguf", drop_key=lambda n: n in (mapfile.KEY_MAP_FORM, mapfile.KEY_MAP_RANKS))
+    _refused(llama_model, full, model, rf"ridgefill_a_(down|up)\.weight|{3 * len(layers)} tensors, expected {2 * len(layers)} \(A and b")
 
 
 # ------------------------------------------------------------------------------------------------
