@@ -5,6 +5,8 @@
 
 #include "llama-ridgefill-context.h"
 #include "llama-ridgefill-arch.h"
+#include "llama-ridgefill-error.h"
+#include "llama-ridgefill-params.h"
 #include "llama-ridgefill-maps.h"
 #include "llama-ridgefill-memory.h"
 #include "llama-ridgefill-select.h"
@@ -54,7 +56,7 @@ std::string llama_ridgefill_context::check(const llama_context & lctx, const lla
     if (!std::isfinite(params.exact_fraction) || params.exact_fraction < 0.0 || params.exact_fraction > 1.0) {
         return format("exact_fraction %g outside [0, 1]", params.exact_fraction);
     }
-    if (params.selector < LLAMA_RIDGEFILL_SELECTOR_NONE || params.selector > LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED) {
+    if (llama_ridgefill_selector_name(params.selector) == nullptr) {
         return format("unknown selector %d", params.selector);
     }
     const int32_t all_classes = LLAMA_RIDGEFILL_CLASS_DIGIT | LLAMA_RIDGEFILL_CLASS_RARE | LLAMA_RIDGEFILL_CLASS_LINE_START |
@@ -596,29 +598,17 @@ llama_ridgefill_context * llama_ridgefill_get(llama_context * ctx, const char * 
     return ctx->ridgefill.get();
 }
 
-struct llama_ridgefill_params llama_ridgefill_default_params(void) {
-    llama_ridgefill_params p = {
-        /*.split_layer    =*/ -1,
-        /*.n_tail         =*/ 64,
-        /*.exact_fraction =*/ 0.10,
-        /*.selector       =*/ LLAMA_RIDGEFILL_SELECTOR_ATTENTION,
-        /*.n_sel_queries  =*/ 64,
-        /*.sel_layer      =*/ -1,
-        /*.n_rescale      =*/ 512,
-        /*.min_prompt     =*/ 1024,
-        /*.n_fill_chunk   =*/ 0,
-        /*.splice         =*/ LLAMA_RIDGEFILL_SPLICE_NONE,
-        /*.n_key_rescale  =*/ 0,
-        /*.protected_classes =*/ LLAMA_RIDGEFILL_CLASS_SINK | LLAMA_RIDGEFILL_CLASS_DIGIT,
-        /*.state_correction  =*/ LLAMA_RIDGEFILL_STATE_CORRECTION_NONE,
-        /*.span              =*/ 16,
-    };
-    return p;
-}
-
 int32_t llama_ridgefill_attach(struct llama_context * ctx, const struct llama_ridgefill_maps * maps, struct llama_ridgefill_params params) {
     if (ctx == nullptr) {
         llama_ridgefill_set_error(__func__, "no context");
+        return -1;
+    }
+    // unset tunable fields: the map file's tuned values, else the built-in ones
+    int32_t from_maps = 0;
+    try {
+        from_maps = llama_ridgefill_apply_tuned(maps ? &maps->tuned : nullptr, maps ? maps->path : "", params);
+    } catch (const std::exception & e) {
+        llama_ridgefill_set_error(__func__, e.what());
         return -1;
     }
     const std::string err = llama_ridgefill_context::check(*ctx, maps, params);
@@ -629,6 +619,7 @@ int32_t llama_ridgefill_attach(struct llama_context * ctx, const struct llama_ri
     try {
         ctx->ridgefill.reset();
         ctx->ridgefill = std::make_unique<llama_ridgefill_context>(*ctx, maps, params);
+        ctx->ridgefill->params_from_maps = from_maps;
         if (!ctx->ridgefill->reserve()) {
             throw std::runtime_error("failed to reserve the compute buffers of the RidgeFill phases");
         }
@@ -639,6 +630,15 @@ int32_t llama_ridgefill_attach(struct llama_context * ctx, const struct llama_ri
     }
     llama_ridgefill_clear_error();
     return 0;
+}
+
+int32_t llama_ridgefill_get_params(const struct llama_context * ctx, struct llama_ridgefill_params * out) {
+    if (ctx == nullptr || !ctx->ridgefill || out == nullptr) {
+        llama_ridgefill_set_error(__func__, "no RidgeFill attached to the context");
+        return -1;
+    }
+    *out = ctx->ridgefill->params;
+    return ctx->ridgefill->params_from_maps;
 }
 
 void llama_ridgefill_detach(struct llama_context * ctx) {

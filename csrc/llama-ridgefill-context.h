@@ -162,6 +162,7 @@ struct llama_ridgefill_context {
     const llama_model          & model;
     const llama_ridgefill_maps * maps; // nullptr: identity fill
     llama_ridgefill_params       params;
+    int32_t                      params_from_maps = 0; // enum llama_ridgefill_tunable bits: tuned values of the map file
 
     int32_t n_layer   = 0;
     bool    rpc       = false; // some of the model's devices are RPC servers (docs/design.md §6.5)

@@ -4,6 +4,7 @@
 // asked for.
 
 #include "llama-ridgefill-context.h"
+#include "llama-ridgefill-error.h"
 #include "llama-ridgefill-maps.h"
 #include "llama-ridgefill-memory.h"
 

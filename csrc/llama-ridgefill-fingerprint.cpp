@@ -11,7 +11,8 @@
 // count (a [64, 1] tensor reads as [64]), and that count is part of the fingerprint.
 
 #include "llama-ridgefill.h"
-#include "llama-ridgefill-maps.h"
+#include "llama-ridgefill-error.h"
+#include "llama-ridgefill-fingerprint.h"
 
 #include "llama-impl.h"
 #include "llama-mmap.h"

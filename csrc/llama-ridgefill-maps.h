@@ -3,6 +3,7 @@
 #pragma once
 
 #include "llama-ridgefill.h"
+#include "llama-ridgefill-params.h"
 
 #include "ggml-cpp.h"
 
@@ -27,6 +28,8 @@ struct llama_ridgefill_maps {
     std::string fingerprint;     // of the model the maps were fitted on (checked by the caller)
     std::string buft_names;      // the buffer types holding the maps, comma-separated
     std::string type_name;       // the map matrices' ggml type ("f16", "q8_0", ...)
+    llama_ridgefill_tuned tuned; // the operating point of ridgefill-gguf tune (ridgefill.tuned.*), if any
+    std::string path;            // the map file
 
     // the map matrices, all of one type (F32, F16, Q8_0, Q4_0 or Q4_K): a full A per mapped layer, or,
     // for a low-rank form, its two factors (A = I + U V^T or A = U V^T, docs/design.md §7.1)
@@ -68,18 +71,3 @@ ggml_tensor * llama_ridgefill_build_xhat(ggml_context * ctx0, const llama_ridgef
 // the map again; the maps' own tensors otherwise (resident maps, or a CPU layer). All nullptr when
 // il has no map.
 llama_ridgefill_map_weights llama_ridgefill_stage(ggml_context * ctx0, const llama_ridgefill_maps * maps, int il);
-
-// record the message of a failed call for llama_ridgefill_last_error() and log it
-void llama_ridgefill_set_error(const char * func, const std::string & msg);
-
-// a call succeeded: llama_ridgefill_last_error() returns ""
-void llama_ridgefill_clear_error();
-
-// throws when path names something other than a regular file (or a link to one): a FIFO or a
-// device would block or stream, a directory fail with a less clear message. A missing file is left
-// to the reader's own message. what: "model", "map file"
-void llama_ridgefill_check_regular_file(const char * path, const char * what);
-
-// the fingerprint of the model GGUF at path (llama-ridgefill-fingerprint.cpp); throws with a
-// message naming the file when it cannot be read
-std::string llama_ridgefill_model_fingerprint_file(const char * path);

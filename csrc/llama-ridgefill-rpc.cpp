@@ -5,6 +5,7 @@
 
 #include "llama-ridgefill.h"
 #include "llama-ridgefill-context.h"
+#include "llama-ridgefill-error.h"
 #include "llama-ridgefill-maps.h"
 
 #include "llama-impl.h"

@@ -161,9 +161,9 @@ extern "C" {
 
     struct llama_ridgefill_params {
         int32_t split_layer;    // S, 1 <= S <= n_layer (S = n_layer: stock); -1: the maps' split
-        int32_t n_tail;         // T >= 1: the last T prompt rows are exact
-        double  exact_fraction; // share of the prefix rows the selector keeps exact, in [0, 1]
-        int32_t selector;       // enum llama_ridgefill_selector
+        int32_t n_tail;         // T >= 1: the last T prompt rows are exact (tunable)
+        double  exact_fraction; // share of the prefix rows the selector keeps exact, in [0, 1] (tunable)
+        int32_t selector;       // enum llama_ridgefill_selector (tunable)
         int32_t n_sel_queries;  // attention selector: query rows (the last prompt rows), >= 1
         int32_t sel_layer;      // attention selector: layer below S to score at; -1: the last
                                 //   full-attention layer below S
@@ -172,7 +172,7 @@ extern "C" {
         int32_t n_fill_chunk;   // filled rows per fill step; 0: n_ubatch
         int32_t splice;         // enum llama_ridgefill_splice (diagnostics; NONE in normal use)
         int32_t n_key_rescale;  // c_K: tail rows a per-head key scale is measured on, applied to the
-                                //   filled K like the value scale to V (0: off, the default)
+                                //   filled K like the value scale to V (0: off, the default) (tunable)
         int32_t protected_classes; // protected selector: enum llama_ridgefill_token_class bits; at most
                                    //   ceil(exact_fraction * prefix) rows: sink rows first, then digits,
                                    //   then rarer tokens, then line starts
@@ -181,10 +181,44 @@ extern "C" {
         int32_t span;              // attention and probe selectors: rows are taken by the highest score
                                    //   within the span of `span` rows around them, so the rows around
                                    //   each top-scoring row stay exact together (default 16); 1:
-                                   //   single rows; at most LLAMA_RIDGEFILL_MAX_SPAN
+                                   //   single rows; at most LLAMA_RIDGEFILL_MAX_SPAN (tunable)
     };
 
+    // The fields `ridgefill-gguf tune` chooses for a map file - n_tail, exact_fraction, selector, span
+    // and n_key_rescale - may be left unset (LLAMA_RIDGEFILL_UNSET, as llama_ridgefill_default_params()
+    // leaves them): an unset field takes the map file's tuned value (its ridgefill.tuned.* keys) when
+    // the maps have one, else its built-in value (llama_ridgefill_builtin_params()). An explicit value
+    // always wins.
+    #define LLAMA_RIDGEFILL_UNSET (-1)
+
+    // the tunable fields as bits of a mask: which fields came from the map file
+    enum llama_ridgefill_tunable {
+        LLAMA_RIDGEFILL_TUNABLE_TAIL           = 1,  // n_tail
+        LLAMA_RIDGEFILL_TUNABLE_EXACT_FRACTION = 2,  // exact_fraction
+        LLAMA_RIDGEFILL_TUNABLE_SELECTOR       = 4,  // selector
+        LLAMA_RIDGEFILL_TUNABLE_SPAN           = 8,  // span
+        LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE    = 16, // n_key_rescale
+    };
+
+    // the defaults: the tunable fields unset, every other field at its built-in value
     LLAMA_API struct llama_ridgefill_params llama_ridgefill_default_params(void);
+
+    // every field at its built-in value (what an unset tunable field runs with without a tuned value)
+    LLAMA_API struct llama_ridgefill_params llama_ridgefill_builtin_params(void);
+
+    // fill the unset tunable fields of params as llama_ridgefill_attach() will: from the tuned operating
+    // point of the map file at maps_path (NULL: none), else the built-in values; the metadata only is
+    // read. Returns the enum llama_ridgefill_tunable bits of the fields taken from the file, or -1
+    // (llama_ridgefill_last_error: an unreadable file, a tuned value of the wrong type or out of range)
+    LLAMA_API int32_t llama_ridgefill_resolve_params(const char * maps_path, struct llama_ridgefill_params * params);
+
+    // the selectors by name ("none", "attention", "probe", "protected", "attention+protected"):
+    // the name of an enum llama_ridgefill_selector value (NULL: none), and the value of a name (-1: none)
+    LLAMA_API const char * llama_ridgefill_selector_name     (int32_t selector);
+    LLAMA_API int32_t      llama_ridgefill_selector_from_name(const char * name);
+
+    // every selector name in enum order, comma-separated ("none, attention, ..."; for help texts)
+    LLAMA_API const char * llama_ridgefill_selector_names(void);
 
     // attach RidgeFill to a context (replacing any attached before): maps NULL is identity fill at
     // params.split_layer. The maps must outlive the attachment. Allocates the per-row scratch (x_S
@@ -197,6 +231,11 @@ extern "C" {
      struct llama_ridgefill_params params);
 
     LLAMA_API void llama_ridgefill_detach(struct llama_context * ctx);
+
+    // the settings attached to ctx, resolved (split_layer: the maps' split when -1 was given; the
+    // tunable fields from the map file or built in); returns the enum llama_ridgefill_tunable bits of
+    // the fields that came from the map file, or -1 without RidgeFill attached
+    LLAMA_API int32_t llama_ridgefill_get_params(const struct llama_context * ctx, struct llama_ridgefill_params * out);
 
     // plan the prompt rows [pos0, pos_end) of seq_id: the next llama_decode() calls bring these rows
     // (in any chunks, in order, no other rows in the same batch); their early layers run there, and

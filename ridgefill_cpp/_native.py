@@ -272,6 +272,43 @@ _float_p = ctypes.POINTER(ctypes.c_float)
 def llama_ridgefill_default_params() -> llama_ridgefill_params: ...
 
 
+# LLAMA_API struct llama_ridgefill_params llama_ridgefill_builtin_params(void);
+@ctypes_function("llama_ridgefill_builtin_params", [], llama_ridgefill_params)
+def llama_ridgefill_builtin_params() -> llama_ridgefill_params: ...
+
+
+#: the value of an unset tunable field (LLAMA_RIDGEFILL_UNSET): the map file's tuned value, else built in
+LLAMA_RIDGEFILL_UNSET = -1
+#: enum llama_ridgefill_tunable: the tunable fields as bits (the RidgeFill name of each)
+LLAMA_RIDGEFILL_TUNABLE = {"tail": 1, "exact_fraction": 2, "selector": 4, "span": 8, "key_rescale": 16}
+
+
+# LLAMA_API int32_t llama_ridgefill_resolve_params(const char * maps_path, struct llama_ridgefill_params * params);
+@ctypes_function("llama_ridgefill_resolve_params", [ctypes.c_char_p, ctypes.POINTER(llama_ridgefill_params)],
+                 ctypes.c_int32)
+def llama_ridgefill_resolve_params(maps_path: bytes | None, params, /) -> int: ...
+
+
+# LLAMA_API const char * llama_ridgefill_selector_name(int32_t selector);
+@ctypes_function("llama_ridgefill_selector_name", [ctypes.c_int32], ctypes.c_char_p)
+def llama_ridgefill_selector_name(selector: int, /) -> bytes | None: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_selector_from_name(const char * name);
+@ctypes_function("llama_ridgefill_selector_from_name", [ctypes.c_char_p], ctypes.c_int32)
+def llama_ridgefill_selector_from_name(name: bytes, /) -> int: ...
+
+
+# LLAMA_API const char * llama_ridgefill_selector_names(void);
+@ctypes_function("llama_ridgefill_selector_names", [], ctypes.c_char_p)
+def llama_ridgefill_selector_names() -> bytes: ...
+
+
+# LLAMA_API int32_t llama_ridgefill_get_params(const struct llama_context * ctx, struct llama_ridgefill_params * out);
+@ctypes_function("llama_ridgefill_get_params", [llama_context_p, ctypes.POINTER(llama_ridgefill_params)], ctypes.c_int32)
+def llama_ridgefill_get_params(ctx, out, /) -> int: ...
+
+
 # LLAMA_API int32_t llama_ridgefill_attach(struct llama_context * ctx, const struct llama_ridgefill_maps * maps,
 #                                          struct llama_ridgefill_params params);
 @ctypes_function("llama_ridgefill_attach", [llama_context_p, llama_ridgefill_maps_p, llama_ridgefill_params], ctypes.c_int32)

@@ -327,10 +327,6 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
 
 
 #: the plan the state gains of ``fit`` are measured with: RidgeFill's built-in defaults
-_GAIN_PLAN = {"tail": settings.TAIL, "exact_fraction": settings.EXACT_FRACTION, "selector": settings.SELECTOR,
-              "value_rescale": settings.VALUE_RESCALE}
-
-
 @app.command()
 def fit(
     model: Path = typer.Argument(..., help="The model GGUF to fit maps for (never modified)."),
@@ -503,27 +499,23 @@ def fit(
 
 def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ctx: int, max_windows: int,
                           threads: Optional[int]) -> None:
-    """fit --state-gains: gains on the fit's calibration windows, written into the map file at ``path``."""
+    """fit --state-gains (:func:`ridgefill_cpp.state_gains.fit_state_gains_into`), with a progress bar and a table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .fit import FitError
-    from .state_gains import add_state_gains, calibration_windows, fit_state_gains
+    from .state_gains import fit_state_gains_into
 
-    windows = calibration_windows(model, documents, n_tokens=tokens, ctx=ctx, max_windows=max_windows)
     with Progress(TextColumn("fitting state gains"), BarColumn(), MofNCompleteColumn(), TextColumn("prefills"),
                   TimeRemainingColumn(), console=err, transient=False) as bar:
-        task = bar.add_task("gains", total=2 * len(windows))
+        task = bar.add_task("gains", total=None)
         try:
-            gains = fit_state_gains(model, path, windows, tail=_GAIN_PLAN["tail"],
-                                    fraction=_GAIN_PLAN["exact_fraction"], selector=_GAIN_PLAN["selector"],
-                                    value_rescale=_GAIN_PLAN["value_rescale"], n_threads=threads,
-                                    progress=lambda done, total: bar.update(task, completed=done, total=total))
+            gains, plan = fit_state_gains_into(model, path, documents, n_tokens=tokens, ctx=ctx, max_windows=max_windows,
+                                               n_threads=threads,
+                                               progress=lambda done, total: bar.update(task, completed=done, total=total))
         except FitError as e:
             _fail(f"state gains: {e} (the maps in {path} are written, without gains)")
-    add_state_gains(path, gains, settings={**_GAIN_PLAN, "windows": len(windows),
-                                           "window_rows": max(len(w) for w in windows)})
-    t = Table(title=f"terminal-state gains ({len(windows)} windows of {ctx}; T = {_GAIN_PLAN['tail']}, "
-                    f"{_GAIN_PLAN['exact_fraction']:.0%} exact rows, {_GAIN_PLAN['selector']} selector)")
+    t = Table(title=f"terminal-state gains ({plan['windows']} windows of {ctx}; T = {plan['tail']}, "
+                    f"{plan['exact_fraction']:.0%} exact rows, {plan['selector']} selector)")
     for col in ("layer", "heads", "min", "mean", "max"):
         t.add_column(col, justify="right")
     for il, g in sorted(gains.items()):
@@ -568,36 +560,19 @@ def _check_prefill_args(model: Path, lengths: Optional[str], selector: str) -> O
 
 def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: Optional[float],
                      selector: Optional[str], key_rescale: Optional[int] = None) -> tuple[int, float, str, int]:
-    """T, exact fraction, selector spec and key rescale c_K for bench and eval, resolved by ``RidgeFill`` as for the
-    library and ``serve``: the option when given, else the map file's tuned value (``ridgefill-gguf
-    tune``), else the built-in default. A tuned span goes into the spec (``attention@32``) when
-    the selector takes one and the spec gives none. Says on stderr which came from the map file."""
+    """bench and eval's operating point (:func:`ridgefill_cpp.prefill.operating_point`); says on stderr
+    which values came from the map file."""
     from .mapfile import MapFileError
-    from .prefill import RidgeFill
+    from .prefill import operating_point
 
     try:
-        spec_span = selector is not None and settings.parse_selector(selector).get("span")
-    except ValueError:
-        spec_span = None  # the caller's check says what is wrong with the spec
-    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector, "span": spec_span or None,
-             "key_rescale": key_rescale}
-    tuned = None
-    if maps is not None and None in given.values():
-        try:
-            tuned = RidgeFill(maps).tuned  # (RidgeFill checks the file and its tuned values)
-        except (MapFileError, ValueError) as e:
-            _fail(str(e))
-    value, origin = settings.resolve_tunable(given, tuned)
-    spec = str(value["selector"])
-    if origin["span"] == "map file" and spec.partition(":")[0] in settings.SPAN_SELECTORS:
-        spec += f"@{value['span']}"
-    else:
-        origin["span"] = "built-in"  # not used: the spec gives it, or the selector takes none
-    from_file = [f"{k} {value[k]:g}" if k == "exact_fraction" else f"{k} {value[k]}"
-                 for k in given if origin[k] == "map file"]
-    if from_file:
-        err.print(f"the map file's tuned defaults: {', '.join(from_file)} (give the option to override)", highlight=False)
-    return int(value["tail"]), float(value["exact_fraction"]), spec, int(value["key_rescale"])
+        op = operating_point(maps, tail=tail, exact_fraction=exact_fraction, selector=selector, key_rescale=key_rescale)
+    except (MapFileError, ValueError) as e:
+        _fail(str(e))
+    if op.from_file:
+        err.print(f"the map file's tuned defaults: {', '.join(op.from_file)} (give the option to override)",
+                  highlight=False)
+    return op.tail, op.exact_fraction, op.selector, op.key_rescale
 
 
 @app.command("bench")

@@ -539,7 +539,6 @@ def check_state_gains(gains: dict[int, np.ndarray], layers: Sequence[int]) -> No
 
 def read_map_file(path: os.PathLike | str) -> RidgeMaps:
     """Read and check a map file. Raises :class:`MapFileError` saying what is wrong."""
-    from gguf import GGMLQuantizationType
 
     try:
         md = read_metadata(path)

@@ -116,7 +116,13 @@ class RidgeFill:
                 md = {}  # the loader says what is wrong with the file when a Llama attaches it
             if md.get("adapter.type") == ADAPTER_TYPE:
                 tuned = tuned_defaults_from_metadata(md, self.maps)
-        values, origin = settings.resolve_tunable({k: getattr(self, k) for k in settings.TUNABLE_DEFAULTS}, tuned)
+        # the arguments given, then (libllama resolves them as it will when attached) the map file's
+        # tuned values, then the built-in ones
+        given = {k: getattr(self, k) for k in settings.TUNABLE}
+        for name, value in given.items():
+            if value is not None and name != "selector":
+                given[name] = settings.check(name, value)
+        values, origin = settings.resolve_tunable(given, self.maps if tuned is not None else None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "tuned", dict(tuned) if tuned is not None else None)
@@ -151,24 +157,73 @@ class RidgeFill:
         return cls(None, split=split, **kwargs)
 
     def params(self) -> N.llama_ridgefill_params:
-        """The C parameters (``split_layer`` -1: the map file's)."""
+        """The C parameters: libllama's defaults with the settings given here. ``split_layer`` -1: the
+        map file's; a tunable setting not given as an argument stays unset, and libllama resolves it
+        when attached (the map file's tuned value, else its built-in one: the values this object
+        holds)."""
         p = N.llama_ridgefill_default_params()
+        given = lambda name: self.origin.get(name) == "argument"  # noqa: E731
         p.split_layer = -1 if self.split is None else int(self.split)
-        p.n_tail = int(self.tail)
-        p.exact_fraction = float(self.exact_fraction)
-        # an explicit list of positions: no selector, the positions are set per prompt (llama_ridgefill_set_exact)
-        p.selector = settings.SELECTORS.get(self.selector, settings.SELECTORS["none"])
+        if given("tail"):
+            p.n_tail = int(self.tail)
+        if given("exact_fraction"):
+            p.exact_fraction = float(self.exact_fraction)
+        if given("selector"):
+            # an explicit list of positions: no selector, the positions are set per prompt (llama_ridgefill_set_exact)
+            p.selector = settings.SELECTORS.get(self.selector, settings.SELECTORS["none"])
+        if given("span"):
+            p.span = int(self.span)
+        if given("key_rescale"):
+            p.n_key_rescale = int(self.key_rescale)
         p.n_sel_queries = int(self.n_queries)
-        p.span = int(self.span)
         p.sel_layer = -1 if self.selector_layer is None else int(self.selector_layer)
         p.n_rescale = int(self.value_rescale)
-        p.n_key_rescale = int(self.key_rescale)
         p.min_prompt = int(self.min_prompt)
         p.n_fill_chunk = int(self.fill_chunk)
         p.protected_classes = protected_mask(self.protected)
         p.state_correction = settings.STATE_CORRECTIONS[self.state_correction]
         p.splice = settings.SPLICES[self.splice]
         return p
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """The settings bench and eval run with: T, the exact fraction, the selector spec (a tuned span
+    joins a selector that takes one: ``attention@32``), c_K, and which values came from the map
+    file (``"tail 12"``, ``"exact_fraction 0.25"``, ...)."""
+
+    tail: int
+    exact_fraction: float
+    selector: str
+    key_rescale: int
+    from_file: tuple[str, ...] = ()
+
+
+def operating_point(maps: str | os.PathLike | None, *, tail: int | None = None, exact_fraction: float | None = None,
+                    selector: str | None = None, key_rescale: int | None = None) -> OperatingPoint:
+    """The operating point of ``bench`` and ``eval`` (given as options, a selector as a spec such as
+    ``attention@16``), resolved as ``RidgeFill`` and the server resolve it: a value given, else the
+    map file's tuned one (``ridgefill-gguf tune``), else the built-in one. Raises ``ValueError``
+    (``MapFileError``) when the map file or a tuned value it would take is bad."""
+    try:
+        spec_span = selector is not None and settings.parse_selector(selector).get("span")
+    except ValueError:
+        spec_span = None  # the caller's check says what is wrong with the spec
+    given = {"tail": tail, "exact_fraction": exact_fraction, "selector": selector, "span": spec_span or None,
+             "key_rescale": key_rescale}
+    tuned = None
+    if maps is not None and None in given.values():
+        tuned = RidgeFill(maps).tuned  # (RidgeFill checks the file and its tuned values)
+    value, origin = settings.resolve_tunable(given, maps if tuned is not None else None)
+    spec = str(value["selector"])
+    if origin["span"] == "map file" and spec.partition(":")[0] in settings.SPAN_SELECTORS:
+        spec += f"@{value['span']}"
+    else:
+        origin["span"] = "built-in"  # not used: the spec gives it, or the selector takes none
+    from_file = tuple(f"{k} {value[k]:g}" if k == "exact_fraction" else f"{k} {value[k]}"
+                      for k in given if origin[k] == "map file")
+    return OperatingPoint(int(value["tail"]), float(value["exact_fraction"]), spec, int(value["key_rescale"]),
+                          from_file)
 
 
 def as_ridgefill(ridgefill: RidgeFill | str | os.PathLike | None) -> RidgeFill | None:

@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Sequence
 import llama_cpp
 
 from . import _native as N
+from . import processes as P
 
 #: how many devices a list of RPC servers may give (llama.cpp's own limit is its tensor_split size)
 MAX_DEVICES = 64
@@ -156,18 +157,16 @@ class Worker:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
     def start(self) -> "Worker":
-        from .serve import _new_log, _on_free_port
 
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError("the worker is already running")
         if self.log_path is None:
-            self.log_path = _new_log("ridgefill-rpc-")
-        _on_free_port(self._want_port, self.host, self._start_on,
+            self.log_path = P.new_log("ridgefill-rpc-")
+        P.on_free_port(self._want_port, self.host, self._start_on,
                       lambda: "Failed to create server socket" in self.log())
         return self
 
     def _start_on(self, port: int) -> None:
-        from .serve import _child_setup, _tail
 
         self.port = port
         args = [str(worker_binary()), "-H", self.host, "-p", str(self.port)]
@@ -178,12 +177,12 @@ class Worker:
             log.write(f"$ {' '.join(args)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=_child_setup(os.getpid()))
+                                            start_new_session=True, preexec_fn=P.child_setup(os.getpid()))
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ggml-rpc-server exited with code {self.process.returncode} during start-up; "
-                                   f"the end of its log ({self.log_path}):\n{_tail(self.log_path)}")
+                                   f"the end of its log ({self.log_path}):\n{P.tail(self.log_path)}")
             # a probe connection: the worker takes it, sees it close and waits for the next client
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5):
@@ -193,7 +192,7 @@ class Worker:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"ggml-rpc-server did not listen after {self.startup_timeout:g} s; the end of its "
-                                   f"log ({self.log_path}):\n{_tail(self.log_path)}")
+                                   f"log ({self.log_path}):\n{P.tail(self.log_path)}")
             time.sleep(0.02)
 
     def kill(self) -> None:
@@ -204,11 +203,10 @@ class Worker:
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM, wait up to ``timeout`` s, then SIGKILL; returns the exit code (None: never started)."""
-        from .serve import _stop_process
 
         if self.process is None:
             return None
-        return _stop_process(self.process, timeout)
+        return P.stop_process(self.process, timeout)
 
     def __enter__(self) -> "Worker":
         return self.start()

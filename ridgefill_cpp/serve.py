@@ -21,23 +21,19 @@ process dies (Linux), so no path leaves an orphan.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
 from . import _native, settings
+from . import processes as P
+from .processes import http_status  # noqa: F401  (part of this module's API)
 from .files import not_regular
 from .gguf_model import read_model_info, supported_architectures
 from .mapfile import map_file_splits
@@ -57,7 +53,7 @@ _MANAGED_FLAGS = {
     "--ridgefill-min-prompt": "the min prompt option", "--ridgefill-key-rescale": "the key rescale option",
 }
 
-_LOOPBACK = "127.0.0.1"
+_LOOPBACK = P.LOOPBACK
 
 #: llama-server reads its --api-key from this environment variable (common/arg.cpp: set_env), so a
 #: key never has to be on its command line, which every user of the machine can read (ps, /proc)
@@ -194,10 +190,10 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
     K`` / ``--api-key=K`` of ``extra`` go to the server through its environment
     (:func:`server_env`), since every user of the machine can read a command line.
 
-    Resolved means every value is explicit: a map file's tuned defaults (``ridgefill-gguf tune``)
-    and the built-in ones are written out, so the server runs exactly what ``RidgeFill`` says.
-    With maps, the split is the file's (``--ridgefill-maps``); identity fill passes
-    ``--ridgefill-split``. Does not read the model or check the settings against it:
+    Only the settings given as arguments become flags: the server resolves the others the way
+    ``RidgeFill`` did, in libllama (the map file's tuned defaults of ``ridgefill-gguf tune``, else
+    the built-in ones), so it runs exactly what ``RidgeFill`` says. With maps, the split is the
+    file's (``--ridgefill-maps``); identity fill passes ``--ridgefill-split``. Does not read the model or check the settings against it:
     :func:`check_ridgefill` does.
     """
     if not 0 <= int(port) <= 65535:
@@ -210,12 +206,18 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
             args += ["--ridgefill-maps", str(rf.maps)]
         else:
             args += ["--ridgefill-split", str(int(rf.split))]
-        args += ["--ridgefill-tail", str(int(rf.tail)),
-                 "--ridgefill-exact-fraction", repr(float(rf.exact_fraction)),
-                 "--ridgefill-selector", str(rf.selector),
-                 "--ridgefill-span", str(int(rf.span)),
-                 *(("--ridgefill-key-rescale", str(int(rf.key_rescale))) if rf.key_rescale else ()),
-                 "--ridgefill-min-prompt", str(int(rf.min_prompt))]
+        # only the settings given as arguments: the server resolves the others as RidgeFill did, in
+        # libllama (the map file's tuned values, else the built-in ones)
+        given = {name for name, origin in rf.origin.items() if origin == "argument"}
+        for name, flag, value in (("tail", "--ridgefill-tail", str(int(rf.tail))),
+                                  ("exact_fraction", "--ridgefill-exact-fraction", repr(float(rf.exact_fraction))),
+                                  ("selector", "--ridgefill-selector", str(rf.selector)),
+                                  ("span", "--ridgefill-span", str(int(rf.span))),
+                                  ("key_rescale", "--ridgefill-key-rescale", str(int(rf.key_rescale)))):
+            if name in given:
+                args += [flag, value]
+        if rf.min_prompt != settings.MIN_PROMPT:
+            args += ["--ridgefill-min-prompt", str(int(rf.min_prompt))]
         # the patched server itself turns on --kv-unified and --swa-full when RidgeFill is on
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty")
@@ -248,135 +250,6 @@ def describe(rf: RidgeFill | None) -> str:
             + (f" with span {rf.span}" if rf.span != 1 else "")
             + (f", key rescale c_K = {rf.key_rescale}{src('key_rescale')}" if rf.key_rescale else "")
             + f", prompts from {rf.min_prompt} tokens")
-
-
-# ------------------------------------------------------------------------------------------------
-# processes
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _new_log(prefix: str) -> Path:
-    """A new empty log file in the temporary directory (kept after the process stops)."""
-    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
-    os.close(fd)
-    return Path(name)
-
-
-def _on_free_port(want_port: int, host: str, start: Callable[[int], None], port_taken: Callable[[], bool]) -> None:
-    """``start(port)`` with ``want_port``, or with a free port of ``host`` when it is 0: up to three of
-    them, since another process can take a free port between our probe and the server's bind
-    (``port_taken()`` says whether that is why a start failed)."""
-    attempts = 3 if want_port == 0 else 1
-    for attempt in range(attempts):
-        try:
-            start(want_port or _free_port(host))
-            return
-        except Exception:
-            if attempt + 1 < attempts and port_taken():
-                continue
-            raise
-
-
-def _connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to ``host``."""
-    if host in ("0.0.0.0", ""):
-        return _LOOPBACK
-    if host == "::":
-        return "::1"
-    return host
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-
-
-def http_status(url: str, api_key: str | None = None, timeout: float = 2.0) -> int | None:
-    """The HTTP status of ``GET url`` (None: no answer)."""
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with _NO_PROXY.open(req, timeout=timeout) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (OSError, ValueError):  # refused, reset, timed out
-        return None
-
-
-def _libc_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup(parent: int) -> Callable[[], None] | None:
-    """In the child before exec: SIGTERM when the parent dies (Linux), and exit if it already has.
-    (Linux ties this to the thread that started the child: start servers from a thread that outlives them.)"""
-    if _PRCTL is None:
-        return None
-
-    def setup() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return setup
-
-
-def _popen(args: list[str], **kw):
-    # its own process group: a Ctrl-C at the terminal reaches us only, and we forward one signal
-    # (two SIGINTs make llama-server exit at once, without its clean shutdown)
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_child_setup(os.getpid()), **kw)
-
-
-def _reap_group(pgid: int) -> None:
-    """SIGKILL whatever is left in the server's process group once the server has exited."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop_process(proc, timeout: float, sig: int = signal.SIGTERM) -> int:
-    """Signal, wait up to ``timeout`` s, then SIGKILL; returns the exit code."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    _reap_group(proc.pid)
-    return proc.returncode
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        with open(path, "rb") as f:
-            lines = deque(f, maxlen=n)
-    except OSError:
-        return ""
-    return b"".join(lines).decode(errors="replace").rstrip()
 
 
 class Server:
@@ -415,7 +288,7 @@ class Server:
     def url(self) -> str:
         if self.port is None:
             raise ServerError("the server has not been started")
-        return f"http://{_url_host(_connect_host(self.host))}:{self.port}"
+        return f"http://{P.url_host(P.connect_host(self.host))}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -430,7 +303,7 @@ class Server:
         if self.process is not None and self.process.poll() is None:
             raise ServerError("the server is already running")
         if self._log_path is None:
-            self._log_path = _new_log("ridgefill-server-")
+            self._log_path = P.new_log("ridgefill-server-")
 
         def start(port: int) -> None:
             self.port = port
@@ -439,7 +312,7 @@ class Server:
             with open(self._log_path, "ab") as log:
                 log.write(f"$ {' '.join(self.args)}\n".encode())
                 log.flush()
-                self.process = _popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                self.process = P.popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                       env=server_env(self.api_key, self.extra_args))
             try:
                 self._wait_healthy()
@@ -447,7 +320,7 @@ class Server:
                 self.stop()
                 raise
 
-        _on_free_port(self._want_port, self.host, start, lambda: "couldn't bind" in _tail(self._log_path, 20))
+        P.on_free_port(self._want_port, self.host, start, lambda: "couldn't bind" in P.tail(self._log_path, 20))
         return self
 
     def _wait_healthy(self) -> None:
@@ -457,19 +330,19 @@ class Server:
             rc = self.process.poll()
             if rc is not None:
                 raise ServerError(f"llama-server exited with code {rc} during start-up; the end of its log "
-                                  f"({self._log_path}):\n{_tail(self._log_path)}")
+                                  f"({self._log_path}):\n{P.tail(self._log_path)}")
             if http_status(url, self.api_key, timeout=2.0) == 200 and self.process.poll() is None:
                 return
             if time.monotonic() > deadline:
                 raise ServerError(f"llama-server was not healthy after {self.startup_timeout:g} s; the end of its "
-                                  f"log ({self._log_path}):\n{_tail(self._log_path)}")
+                                  f"log ({self._log_path}):\n{P.tail(self._log_path)}")
             time.sleep(0.05)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, wait up to ``timeout`` s, then SIGKILL; returns the exit code (None: never started)."""
         if self.process is None:
             return None
-        return _stop_process(self.process, timeout)
+        return P.stop_process(self.process, timeout)
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -490,9 +363,9 @@ def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | N
     echo = echo or (lambda s: print(s, flush=True))
     rf = check_ridgefill(model, ridgefill)
     host = _check_host(host)
-    port = int(port) or _free_port(host)
+    port = int(port) or P.free_port(host)
     args = server_args(model, rf, host, port, extra_args, api_key=api_key)
-    url = f"http://{_url_host(_connect_host(host))}:{port}"
+    url = f"http://{P.url_host(P.connect_host(host))}:{port}"
     echo(describe(rf))
 
     stop_sig: list[int] = []
@@ -514,7 +387,7 @@ def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | N
             old[s] = signal.signal(s, forward)
     proc = None
     try:
-        proc = state["proc"] = _popen(args, env=server_env(api_key, extra_args))
+        proc = state["proc"] = P.popen(args, env=server_env(api_key, extra_args))
         if stop_sig:  # a signal between the handlers and the start
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + startup_timeout
@@ -530,19 +403,19 @@ def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | N
                     echo(f"llama-server is ready: {url}")
                     echo(f"OpenAI base URL: {url}/v1  (Ctrl-C stops the server)")
                 elif now > deadline:
-                    _stop_process(proc, grace)
+                    P.stop_process(proc, grace)
                     raise ServerError(f"llama-server was not healthy after {startup_timeout:g} s: stopped it")
             try:
                 proc.wait(timeout=0.1 if not healthy else 0.5)
             except subprocess.TimeoutExpired:
                 pass
         rc = proc.returncode
-        _reap_group(proc.pid)
+        P.reap_group(proc.pid)
         if not healthy and not stop_sig:
             raise ServerError(f"llama-server exited with code {rc} before it was ready (its output is above)")
         return rc if rc >= 0 else 128 - rc
     finally:
         if proc is not None and proc.poll() is None:
-            _stop_process(proc, grace)
+            P.stop_process(proc, grace)
         for s, h in old.items():
             signal.signal(s, h)

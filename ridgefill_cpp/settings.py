@@ -1,61 +1,109 @@
-"""RidgeFill's settings vocabulary, in one place: the defaults, the selector and token-class names
-with their C values, the ``protected:CLASS+CLASS`` selector grammar, the check of every setting,
-and the keys of ``Llama.ridgefill_stats``.
+"""RidgeFill's settings vocabulary, in one place: the selector and token-class names with their C
+values, the ``protected:CLASS+CLASS`` selector grammar, the check of every setting, the keys of
+``Llama.ridgefill_stats``, and the commands' own defaults (prompt lengths, grids, budgets).
+
+The defaults of RidgeFill's settings themselves are libllama's: ``llama_ridgefill_builtin_params()``
+(``csrc/llama-ridgefill-params.cpp``) holds every one, and the names below (:data:`TAIL`,
+:data:`EXACT_FRACTION`, :data:`SELECTOR`, ... , :data:`TUNABLE_DEFAULTS`) read them from there when
+first used, so Python, llama-server and any C caller run the same values. The tunable ones (tail,
+exact fraction, selector, span, key rescale) are resolved against a map file's tuned operating point
+by libllama too (:func:`resolve_tunable`).
 
 :class:`ridgefill_cpp.RidgeFill`, the command line and the commands' library functions (``bench``,
-``eval``, ``tune``, ``serve``, ``fit --state-gains``) all read their defaults and names from here;
-no other module restates them. The module imports nothing heavy (no numpy, no llama.cpp), so the
-command line can format its ``--help`` texts from it.
-
-The C values mirror the enums of ``csrc/llama-ridgefill.h`` (docs/design.md §5).
+``eval``, ``tune``, ``serve``, ``fit --state-gains``) read their defaults and names from here; no
+other module restates them. The C values of the names mirror the enums of ``csrc/llama-ridgefill.h``
+(docs/design.md §5).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Mapping, Sequence
 
 from ._limits import INT32_MAX, check_fraction, check_int
 
 # ------------------------------------------------------------------------------------------------
-# the plan's defaults (RidgeFill's keyword arguments)
+# the plan's defaults (RidgeFill's keyword arguments): libllama's, read when first used
+#
+#   TAIL            T: the last prompt rows, always exact
+#   EXACT_FRACTION  share of the prefix rows the selector keeps exact
+#   SELECTOR        the exact-row selector
+#   SPAN            the attention and probe selectors' span: rows are taken by the highest score within
+#                   the span of this many rows around them (1: single rows), for SPAN_SHARE of the exact
+#                   rows, then single rows by score; at most MAX_SPAN. 16 keeps a planted fact whole
+#                   where single rows keep only its name (docs/selector-spans)
+#   KEY_RESCALE     c_K: tail rows the key scale is measured on (0: off)
+#   VALUE_RESCALE   c: tail rows the per-head value scale is measured on (0: off)
+#   MIN_PROMPT      prompts with fewer new rows run stock prefill
+#   N_QUERIES       the attention selector's query rows (the last prompt rows)
+#   FILL_CHUNK      filled rows per fill step (0: n_ubatch)
+#   PROTECTED       the protected selector's token classes (chosen from the eval: README, "Selectors")
+#   PLACEMENT       where the maps live
+#   TUNABLE_DEFAULTS  the settings ``ridgefill-gguf tune`` chooses and writes into a map file
+#                   (``ridgefill.tuned.*``), with their built-in values: an explicit value wins over the
+#                   map file's, which wins over these
 
-#: T: the last prompt rows, always exact
-TAIL = 64
-#: share of the prefix rows the selector keeps exact
-EXACT_FRACTION = 0.10
-#: the exact-row selector
-SELECTOR = "attention"
-#: c: tail rows the per-head value scale is measured on (0: off)
-VALUE_RESCALE = 512
-#: c_K: tail rows the key scale is measured on (0: off)
-KEY_RESCALE = 0
-#: prompts with fewer new rows run stock prefill
-MIN_PROMPT = 1024
-#: the attention selector's query rows (the last prompt rows)
-N_QUERIES = 64
-#: the attention and probe selectors' span: rows are taken by the highest score within the span of
-#: this many rows around them (1: single rows), for SPAN_SHARE of the exact rows, then single rows
-#: by score; at most MAX_SPAN (LLAMA_RIDGEFILL_MAX_SPAN). 16 keeps a planted fact whole where single
-#: rows keep only its name (docs/selector-spans)
-SPAN = 16
+#: the constants of the span and recency rules (LLAMA_RIDGEFILL_MAX_SPAN, _SPAN_SHARE, _RECENCY_SHARE
+#: of csrc/llama-ridgefill.h; tests/test_settings.py compares them): the longest span, the share of
+#: the exact rows a span > 1 takes as whole spans, and the share the attention selectors take first by
+#: the recency-corrected score (docs/selector-spans)
 MAX_SPAN = 4096
-#: the share of the exact rows a span > 1 takes as whole spans (LLAMA_RIDGEFILL_SPAN_SHARE)
 SPAN_SHARE = 0.75
-#: the attention selectors: the share of the exact rows taken first by the recency-corrected score
-#: (LLAMA_RIDGEFILL_RECENCY_SHARE), the rows that stand out against the prompt's attention-by-distance
-#: trend (docs/selector-spans)
 RECENCY_SHARE = 0.25
-#: filled rows per fill step (0: n_ubatch)
-FILL_CHUNK = 0
-#: the protected selector's token classes (chosen from the eval: README, "Selectors")
-PROTECTED = ("sink", "digits")
-#: where the maps live
-PLACEMENT = "resident"
 
-#: the settings ``ridgefill-gguf tune`` chooses and writes into a map file (``ridgefill.tuned.*``),
-#: with their built-in defaults: an explicit value wins over the map file's, which wins over these
-TUNABLE_DEFAULTS: Mapping[str, Any] = {"tail": TAIL, "exact_fraction": EXACT_FRACTION, "selector": SELECTOR,
-                                       "span": SPAN, "key_rescale": KEY_RESCALE}
+#: RidgeFill's name of each field of llama_ridgefill_params with a default
+C_FIELDS: Mapping[str, str] = {
+    "tail": "n_tail", "exact_fraction": "exact_fraction", "selector": "selector", "span": "span",
+    "key_rescale": "n_key_rescale", "value_rescale": "n_rescale", "min_prompt": "min_prompt",
+    "n_queries": "n_sel_queries", "fill_chunk": "n_fill_chunk", "protected": "protected_classes",
+}
+#: the settings ``ridgefill-gguf tune`` chooses (enum llama_ridgefill_tunable)
+TUNABLE = ("tail", "exact_fraction", "selector", "span", "key_rescale")
+#: the module's default names -> RidgeFill's setting
+_DEFAULT_NAMES: Mapping[str, str] = {
+    "TAIL": "tail", "EXACT_FRACTION": "exact_fraction", "SELECTOR": "selector", "SPAN": "span",
+    "KEY_RESCALE": "key_rescale", "VALUE_RESCALE": "value_rescale", "MIN_PROMPT": "min_prompt",
+    "N_QUERIES": "n_queries", "FILL_CHUNK": "fill_chunk", "PROTECTED": "protected", "PLACEMENT": "placement",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def builtin() -> Mapping[str, Any]:
+    """libllama's built-in value of every RidgeFill setting, by RidgeFill's names
+    (``llama_ridgefill_builtin_params()``, ``llama_ridgefill_maps_default_params()``)."""
+    from . import _native as N
+
+    p = N.llama_ridgefill_builtin_params()
+    out: dict[str, Any] = {name: getattr(p, field) for name, field in C_FIELDS.items()}
+    out["selector"] = selector_name(p.selector)
+    out["protected"] = tuple(c for c, bit in TOKEN_CLASSES.items() if p.protected_classes & bit)
+    out["placement"] = "host" if N.llama_ridgefill_maps_default_params().host else "resident"
+    return out
+
+
+def selector_name(value: int) -> str:
+    """The name of a C selector value (libllama's ``llama_ridgefill_selector_name``)."""
+    from . import _native as N
+
+    name = N.llama_ridgefill_selector_name(int(value))
+    if name is None:
+        raise ValueError(f"libllama has no selector {value}")
+    return name.decode()
+
+
+def __getattr__(name: str) -> Any:
+    # the defaults of RidgeFill's settings: libllama's (PEP 562, read when first used)
+    if name in _DEFAULT_NAMES:
+        return builtin()[_DEFAULT_NAMES[name]]
+    if name == "TUNABLE_DEFAULTS":
+        return {k: builtin()[k] for k in TUNABLE}
+    if name == "TUNE_SPANS":
+        return (builtin()["span"],)
+    if name == "TUNE_KEY_RESCALES":
+        return (builtin()["key_rescale"],)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ------------------------------------------------------------------------------------------------
 # the commands' defaults (the library functions and the command line share them)
@@ -77,9 +125,8 @@ TUNE_TAILS = (32, 64, 128)
 TUNE_FRACTIONS = (0.0, 0.05, 0.10, 0.20)
 TUNE_LENGTH = 2048
 TUNE_DOCS = 8
-#: tune: the spans searched (the span selectors only) and the key rescales c_K (0: off)
-TUNE_SPANS = (SPAN,)
-TUNE_KEY_RESCALES = (KEY_RESCALE,)
+#: tune: the spans searched (the span selectors only) and the key rescales c_K (0: off) are TUNE_SPANS
+#: and TUNE_KEY_RESCALES: the built-in span and c_K (read from libllama when first used)
 #: tune's retrieval check: prompts (one per depth, spread over the filled region) with this many
 #: planted codes each
 TUNE_RETRIEVAL_PROMPTS = 5
@@ -273,25 +320,45 @@ def check_selector(selector: str | Sequence[int], *, hint: str = "") -> str | tu
     return tuple(sorted({check_int("selector position", p, 0, INT32_MAX) for p in given}))
 
 
-def resolve_tunable(given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """``tail``, ``exact_fraction``, ``selector``, ``span`` and ``key_rescale`` resolved: the ``given`` value when not None,
-    else the map file's ``tuned`` one (``ridgefill.tuned.*``), else the built-in default
-    (:data:`TUNABLE_DEFAULTS`). Returns the values and where each came from (``"argument"``,
-    ``"map file"`` or ``"built-in"``)."""
+def resolve_tunable(given: Mapping[str, Any], maps: str | os.PathLike | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``tail``, ``exact_fraction``, ``selector``, ``span`` and ``key_rescale`` resolved as libllama
+    resolves them when RidgeFill is attached (``llama_ridgefill_resolve_params``): the ``given`` value
+    when not None, else the tuned value of the map file at ``maps`` (``ridgefill.tuned.*``; None: no
+    map file), else the built-in one. Returns the values and where each came from (``"argument"``,
+    ``"map file"`` or ``"built-in"``). A selector given as positions is passed as "none" and returned
+    as given. Raises ``ValueError`` when a tuned value it would take is of the wrong type or out of
+    range, naming the key."""
+    from . import _native as N
+
+    p = N.llama_ridgefill_default_params()
+    for name in TUNABLE:
+        value = given.get(name)
+        if value is None:
+            continue
+        if name == "selector":
+            p.selector = SELECTORS.get(value, SELECTORS["none"]) if isinstance(value, str) else SELECTORS["none"]
+        else:
+            setattr(p, C_FIELDS[name], value)
+    path = None if maps is None else os.fsencode(maps)
+    from_file = N.llama_ridgefill_resolve_params(path, p)
+    if from_file < 0:
+        raise ValueError(N.llama_ridgefill_last_error().decode(errors="replace"))
     values, origin = {}, {}
-    for name, builtin in TUNABLE_DEFAULTS.items():
+    for name in TUNABLE:
         if given.get(name) is not None:
             values[name], origin[name] = given[name], "argument"
-        elif tuned is not None and name in tuned:
-            values[name], origin[name] = tuned[name], "map file"
-        else:
-            values[name], origin[name] = builtin, "built-in"
+            continue
+        value = getattr(p, C_FIELDS[name])
+        values[name] = selector_name(value) if name == "selector" else value
+        origin[name] = "map file" if from_file & N.LLAMA_RIDGEFILL_TUNABLE[name] else "built-in"
     return values, origin
 
 
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
-           "SPAN", "MAX_SPAN", "SPAN_SHARE", "RECENCY_SHARE", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE_DEFAULTS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS",
-           "BENCH_GREEDY_TOKENS", "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS",
-           "TUNE_LENGTH", "TUNE_DOCS", "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS", "FIT_CTX", "FIT_DTYPE", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES",
-           "PLACEMENTS", "STATE_CORRECTIONS", "SPLICES", "STATS", "names", "parse_classes", "protected_mask",
-           "parse_selector", "check", "check_selector", "resolve_tunable"]
+           "SPAN", "MAX_SPAN", "SPAN_SHARE", "RECENCY_SHARE", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE",
+           "TUNABLE_DEFAULTS", "C_FIELDS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS", "BENCH_GREEDY_TOKENS",
+           "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS", "TUNE_LENGTH", "TUNE_DOCS",
+           "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS",
+           "FIT_CTX", "FIT_DTYPE", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES", "PLACEMENTS",
+           "STATE_CORRECTIONS", "SPLICES", "STATS", "builtin", "selector_name", "names", "parse_classes",
+           "protected_mask", "parse_selector", "check", "check_selector", "resolve_tunable"]

@@ -194,5 +194,29 @@ def add_state_gains(map_path: os.PathLike | str, gains: dict[int, np.ndarray],
                             add_tensors=[(tensor_name_state_gain(il), maps.g[il]) for il in sorted(maps.g)])
 
 
-__all__ = ["fit_state_gains", "add_state_gains", "calibration_windows", "boundary_states", "late_recurrent_layers",
-           "ssm_shape"]
+def gain_plan() -> dict:
+    """The plan the gains are fitted with: the built-in tail, exact fraction, selector and value
+    rescale (libllama's defaults)."""
+    return {"tail": settings.TAIL, "exact_fraction": settings.EXACT_FRACTION, "selector": settings.SELECTOR,
+            "value_rescale": settings.VALUE_RESCALE}
+
+
+def fit_state_gains_into(model_path: os.PathLike | str, map_path: os.PathLike | str, documents: Iterable, *,
+                         n_tokens: int, ctx: int, max_windows: int, n_threads: int | None = None,
+                         progress: Callable[[int, int], None] | None = None) -> tuple[dict[int, np.ndarray], dict]:
+    """``fit --state-gains``: the gains of the maps at ``map_path`` fitted on the windows the fit cut
+    from ``documents`` (:func:`calibration_windows`) with :func:`gain_plan`, written into that map file
+    with the settings they were fitted at. Returns the gains and those settings (the plan, ``windows``,
+    ``window_rows``). Raises :class:`~ridgefill_cpp.fit.FitError` as :func:`fit_state_gains`."""
+    windows = calibration_windows(model_path, documents, n_tokens=n_tokens, ctx=ctx, max_windows=max_windows)
+    plan = gain_plan()
+    gains = fit_state_gains(model_path, map_path, windows, tail=plan["tail"], fraction=plan["exact_fraction"],
+                            selector=plan["selector"], value_rescale=plan["value_rescale"], n_threads=n_threads,
+                            progress=progress)
+    fitted_at = {**plan, "windows": len(windows), "window_rows": max(len(w) for w in windows)}
+    add_state_gains(map_path, gains, settings=fitted_at)
+    return gains, fitted_at
+
+
+__all__ = ["fit_state_gains", "fit_state_gains_into", "gain_plan", "add_state_gains", "calibration_windows",
+           "boundary_states", "late_recurrent_layers", "ssm_shape"]

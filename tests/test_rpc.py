@@ -321,10 +321,10 @@ def test_cli_rpc_server_is_a_worker(tiny_models, tokens, tmp_path):
     import subprocess
     import time
 
-    from ridgefill_cpp.serve import _free_port
+    from ridgefill_cpp.processes import free_port
 
     exe = shutil.which("ridgefill-gguf", path=str(Path(sys.executable).parent))
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen([exe, "rpc-server", "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import ridgefill_cpp
-from ridgefill_cpp import RidgeFill, serve
+from ridgefill_cpp import RidgeFill, processes, serve
 from ridgefill_cpp.fingerprint import model_fingerprint
 from ridgefill_cpp.mapfile import write_map_file, write_tuned_defaults
 from ridgefill_cpp.serve import Server, ServerError, check_ridgefill, server_args, server_binary
@@ -189,19 +189,16 @@ def test_server_args_stock_identity_and_maps(tiny_models, maps):
     head = [str(server_binary()), "-m", str(tiny), "--host", "127.0.0.1", "--port", "8081"]
     # no RidgeFill: stock llama-server, extra arguments last and unchanged
     assert server_args(tiny, None, "127.0.0.1", 8081, ["-np", "4", "-c", "8192"]) == head + ["-np", "4", "-c", "8192"]
-    # identity fill: the split, and every setting written out (built-in defaults)
+    # identity fill: the split; the settings not given are the server's to resolve (built-in here)
     assert server_args(tiny, RidgeFill.identity(3), "127.0.0.1", 8081, ["-np", "4"]) == head + [
-        "--ridgefill-split", "3", "--ridgefill-tail", "64", "--ridgefill-exact-fraction", "0.1",
-        "--ridgefill-selector", "attention", "--ridgefill-span", "16", "--ridgefill-min-prompt", "1024", "-np", "4"]
+        "--ridgefill-split", "3", "-np", "4"]
     # maps with explicit settings (no split flag: the file's); no API key on the command line
     rf = RidgeFill(maps, tail=32, exact_fraction=0.05, selector="attention+protected", span=4, min_prompt=0)
     assert server_args(tiny, rf, "127.0.0.1", 8081, ["--metrics", "--api-key", "k2", "--api-key=k3"], api_key="k") == head + [
         "--ridgefill-maps", str(maps), "--ridgefill-tail", "32", "--ridgefill-exact-fraction", "0.05",
         "--ridgefill-selector", "attention+protected", "--ridgefill-span", "4", "--ridgefill-min-prompt", "0", "--metrics"]
-    # a map file path alone: RidgeFill(path)'s settings (no tuned values here: built-in)
-    assert server_args(tiny, maps, "127.0.0.1", 8081) == head + [
-        "--ridgefill-maps", str(maps), "--ridgefill-tail", "64", "--ridgefill-exact-fraction", "0.1",
-        "--ridgefill-selector", "attention", "--ridgefill-span", "16", "--ridgefill-min-prompt", "1024"]
+    # a map file path alone: the server resolves RidgeFill(path)'s settings from the file, as RidgeFill does
+    assert server_args(tiny, maps, "127.0.0.1", 8081) == head + ["--ridgefill-maps", str(maps)]
 
 
 def test_api_keys_go_to_the_environment_never_the_command_line(tmp_path):
@@ -241,12 +238,10 @@ def test_server_args_use_the_tuned_defaults_and_arguments_win(tiny_models, tuned
     def flags(args):
         return {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--ridgefill-")}
 
-    assert flags(server_args(tiny, tuned_maps, "127.0.0.1", 1)) == {
-        "--ridgefill-maps": str(tuned_maps), "--ridgefill-tail": "12", "--ridgefill-exact-fraction": "0.25",
-        "--ridgefill-selector": "none", "--ridgefill-span": "16", "--ridgefill-min-prompt": "1024"}
+    # the tuned values stay the server's to read from the map file (libllama resolves them for both)
+    assert flags(server_args(tiny, tuned_maps, "127.0.0.1", 1)) == {"--ridgefill-maps": str(tuned_maps)}
     got = flags(server_args(tiny, RidgeFill(tuned_maps, tail=20, min_prompt=512), "127.0.0.1", 1))
-    assert (got["--ridgefill-tail"], got["--ridgefill-exact-fraction"], got["--ridgefill-selector"],
-            got["--ridgefill-min-prompt"]) == ("20", "0.25", "none", "512")
+    assert got == {"--ridgefill-maps": str(tuned_maps), "--ridgefill-tail": "20", "--ridgefill-min-prompt": "512"}
 
 
 def test_server_args_refusals(tiny_models, maps):
@@ -276,7 +271,7 @@ def test_settings_are_checked_against_the_model_before_anything_starts(tiny_mode
 
     from ridgefill_cpp.mapfile import MapFileError
 
-    monkeypatch.setattr(serve, "_popen", _no_process)
+    monkeypatch.setattr(processes, "popen", _no_process)
     tiny = tiny_models["llama"]
     assert check_ridgefill(tiny, None) is None
     assert check_ridgefill(tiny, maps).maps == maps
@@ -409,8 +404,8 @@ def test_a_port_taken_before_the_server_binds_is_retried(tiny_models, tmp_path, 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # bound, not listening: the server's bind fails, a connection is refused
     ports = [taken.getsockname()[1]]
-    real = serve._free_port
-    monkeypatch.setattr(serve, "_free_port", lambda host: ports.pop() if ports else real(host))
+    real = processes.free_port
+    monkeypatch.setattr(processes, "free_port", lambda host: ports.pop() if ports else real(host))
     try:
         with Server(tiny_models["llama"], extra_args=TINY_ARGS, log_path=tmp_path / "p.log", startup_timeout=60) as s:
             assert s.port != taken.getsockname()[1]
@@ -567,7 +562,7 @@ def test_cli_help_lists_every_option(cli):
 def test_cli_argument_errors_start_nothing(cli, tiny_models, maps, tmp_path, monkeypatch):
     import make_tiny_models as mtm
 
-    monkeypatch.setattr(serve, "_popen", _no_process)
+    monkeypatch.setattr(processes, "popen", _no_process)
     tiny = tiny_models["llama"]
     cases = [
         ((tiny, "--maps", maps, "--identity-split", 3), "give --maps or --identity-split, not both"),

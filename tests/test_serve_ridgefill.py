@@ -859,3 +859,81 @@ def test_backend_sampling_requests_run_stock_prefill_and_sample_the_greedy_token
     assert not rb["ridgefill"]["applied"] and "backend sampling" in rb["ridgefill"]["reason"]
     assert all(p["prob"] > 0.0 for t in rb["completion_probabilities"] for p in t["top_probs"]), rb
     assert res["ridgefill", "host"]["ridgefill"]["applied"]
+
+
+def test_one_map_file_runs_one_operating_point_everywhere(tiny_models, tmp_path):
+    """A tuned map file runs at its tuned point (ridgefill.tuned.*) in all four places, resolved once, in
+    libllama: ``Llama(..., ridgefill=path)``, ``serve`` (whose command line holds ``--ridgefill-maps``
+    alone: what a user starting llama-server by hand with the map file types), and a C caller that
+    attaches ``llama_ridgefill_default_params()`` and reads back ``llama_ridgefill_get_params``."""
+    import ctypes
+    import os
+
+    import llama_cpp
+
+    import ridgefill_cpp._native as N
+    from ridgefill_cpp.fingerprint import model_fingerprint
+    from ridgefill_cpp.mapfile import write_map_file, write_tuned_defaults
+    from test_mapfile import _maps
+
+    model = tiny_models["llama"]
+    path = write_map_file(tmp_path / "tuned.ridgefill.gguf",
+                          _maps(n_embd=64, split=3, n_layer=6, fingerprint=model_fingerprint(model)), dtype="f32")
+    point = {"tail": 12, "exact_fraction": 0.25, "selector": "probe", "span": 4, "key_rescale": 8}
+    write_tuned_defaults(path, dict(point, budget=0.02))
+    n = 300
+    prompt = _prompt(model, n)
+
+    # 1. the library
+    rf = RidgeFill(path, min_prompt=64)
+    assert {k: getattr(rf, k) for k in point} == point and set(rf.origin.values()) == {"map file"}
+    llm = Llama(str(model), ridgefill=rf, n_ctx=1024, n_batch=256, n_ubatch=64, n_threads=1, verbose=False)
+    try:
+        p = N.llama_ridgefill_params()
+        assert N.llama_ridgefill_get_params(llm._ctx.ctx, ctypes.byref(p)) == 31  # all five from the map file
+        library = (p.n_tail, p.exact_fraction, settings_name(p.selector), p.span, p.n_key_rescale)
+        llm.eval(prompt)
+        lib_stats = llm.ridgefill_stats
+    finally:
+        llm.close()
+
+    # 2. a C caller: libllama's own defaults, nothing set
+    stock = llama_cpp.Llama(str(model), n_ctx=1024, n_batch=256, n_ubatch=64, n_threads=1, verbose=False)
+    try:
+        mp = N.llama_ridgefill_maps_default_params()
+        mp.model_path = os.fsencode(model)
+        maps = N.llama_ridgefill_maps_init(stock._model.model, os.fsencode(path), mp)
+        assert maps, N.llama_ridgefill_last_error()
+        try:
+            assert N.llama_ridgefill_attach(stock._ctx.ctx, maps, N.llama_ridgefill_default_params()) == 0
+            p = N.llama_ridgefill_params()
+            assert N.llama_ridgefill_get_params(stock._ctx.ctx, ctypes.byref(p)) == 31
+            c_caller = (p.n_tail, p.exact_fraction, settings_name(p.selector), p.span, p.n_key_rescale)
+            N.llama_ridgefill_detach(stock._ctx.ctx)
+        finally:
+            N.llama_ridgefill_maps_free(maps)
+    finally:
+        stock.close()
+
+    # 3. serve, and llama-server with the map file alone: it resolves the same point itself
+    args = ["-c", "1024", "-np", "1", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "--no-warmup"]
+    with Server(model, RidgeFill(path, min_prompt=64), extra_args=args, log_path=tmp_path / "s.log",
+                startup_timeout=60) as s:
+        assert not [a for a in s.args if a.startswith("--ridgefill-") and a not in ("--ridgefill-maps",
+                                                                                  "--ridgefill-min-prompt")]
+        props = json.loads(_get(s.url + "/props")[1])["ridgefill"]
+        res = _complete(s, prompt, n=1)
+    st = res["ridgefill"]
+    server = (st["tail"], st["exact_fraction"], st["selector"], st["span"], st["key_rescale"])
+    via_props = tuple(props[k] for k in point)
+
+    want = tuple(point.values())
+    assert library == c_caller == server == via_props == want, (library, c_caller, server, via_props)
+    assert st["applied"] and lib_stats["tail"] == st["tail"] == 12
+    assert (lib_stats["n_exact"], lib_stats["n_filled"]) == (st["n_exact"], st["n_filled"])
+
+
+def settings_name(selector: int) -> str:
+    from ridgefill_cpp import settings
+
+    return settings.selector_name(selector)

@@ -35,13 +35,6 @@ def test_the_tables_carry_the_c_enum_values():
     assert {(k or "NONE"): v for k, v in settings.SPLICES.items()} == splices
     corrections = _enum("LLAMA_RIDGEFILL_STATE_CORRECTION_")
     assert {(k or "none").upper(): v for k, v in settings.STATE_CORRECTIONS.items()} == corrections
-    # the defaults RidgeFill passes are the ones libllama's default parameters hold
-    p = RidgeFill.identity(SPLIT).params()
-    assert (p.n_tail, p.exact_fraction, p.n_rescale, p.min_prompt, p.n_sel_queries, p.n_fill_chunk) == (
-        settings.TAIL, settings.EXACT_FRACTION, settings.VALUE_RESCALE, settings.MIN_PROMPT, settings.N_QUERIES,
-        settings.FILL_CHUNK)
-    assert p.selector == settings.SELECTORS[settings.SELECTOR]
-    assert p.protected_classes == settings.protected_mask(settings.PROTECTED)
     # the constants of the span and recency rules: the header's, the settings' and the oracle's
     defines = {m.group(1): float(m.group(2)) for m in re.finditer(r"#define LLAMA_RIDGEFILL_(\w+)\s+([\d.]+)", HEADER.read_text())}
     assert (defines["MAX_SPAN"], defines["SPAN_SHARE"]) == (settings.MAX_SPAN, settings.SPAN_SHARE) == (4096, F.SPAN_SHARE)
@@ -68,12 +61,33 @@ def test_selector_grammar_and_checks():
         settings.check("tail", 0, label="tuned tail")
     with pytest.raises(ValueError, match="splice 'Q'"):
         settings.check("splice", "Q")
-    values, origin = settings.resolve_tunable({"tail": 8, "exact_fraction": None, "selector": None},
-                                              {"exact_fraction": 0.5, "span": 4})
+
+
+def test_resolve_tunable_is_libllamas_resolution(tmp_path):
+    """An argument, else the map file's tuned value, else the built-in one: resolved in libllama
+    (llama_ridgefill_resolve_params), with the fields the file gave reported."""
+    import gguf
+
+    from ridgefill_cpp.mapfile import TUNED_PREFIX, rewrite_map_file, write_map_file
+    from test_mapfile import _maps
+
+    synthetic_maps = write_map_file(tmp_path / "maps.gguf", _maps(n_embd=64, split=3, n_layer=6), dtype="f32")
+    path = rewrite_map_file(synthetic_maps, tmp_path / "tuned.gguf", add_keys=[
+        (TUNED_PREFIX + "exact_fraction", 0.5, gguf.GGUFValueType.FLOAT64),
+        (TUNED_PREFIX + "span", 4, gguf.GGUFValueType.UINT32)])
+    values, origin = settings.resolve_tunable({"tail": 8, "exact_fraction": None, "selector": None}, path)
     assert values == {"tail": 8, "exact_fraction": 0.5, "selector": settings.SELECTOR, "span": 4,
                       "key_rescale": settings.KEY_RESCALE}
     assert origin == {"tail": "argument", "exact_fraction": "map file", "selector": "built-in", "span": "map file",
                       "key_rescale": "built-in"}
+    values, origin = settings.resolve_tunable({}, None)
+    assert values == settings.TUNABLE_DEFAULTS and set(origin.values()) == {"built-in"}
+    bad = rewrite_map_file(synthetic_maps, tmp_path / "bad.gguf", add_keys=[
+        (TUNED_PREFIX + "span", "4", gguf.GGUFValueType.STRING)])
+    with pytest.raises(ValueError, match=r"metadata key ridgefill\.tuned\.span is not a uint32"):
+        settings.resolve_tunable({}, bad)
+    with pytest.raises(ValueError, match=r"ridgefill\.tuned\.span is not a uint32"):  # a file of the wrong type, given or not
+        settings.resolve_tunable({"span": 2}, bad)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ the selection does with the numbers that were measured."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -16,6 +17,7 @@ import stat
 import pytest
 from conftest import evaluation_tokens
 
+import ridgefill_cpp._native as N
 from ridgefill_cpp import Llama, RidgeFill, corpus
 from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.gguf_model import read_header, read_metadata
@@ -508,10 +510,16 @@ def test_a_tuned_key_rescale_is_used_and_shown(tiny_models, fitted, cli, tmp_pat
     (path,) = _copies(fitted, tmp_path, splits=(4,))
     write_tuned_defaults(path, {"tail": 16, "exact_fraction": 0.0, "selector": "attention", "key_rescale": 8})
     rf = RidgeFill(path, min_prompt=0)
-    assert rf.key_rescale == 8 and rf.params().n_key_rescale == 8
+    # RidgeFill holds the resolved value and leaves the field unset for libllama, which takes the file's too
+    assert rf.key_rescale == 8 and rf.params().n_key_rescale == N.LLAMA_RIDGEFILL_UNSET
     tokens = evaluation_tokens(tiny_models["llama"], 200)
     llm = Llama(str(tiny_models["llama"]), ridgefill=rf, n_ctx=512, n_threads=1, verbose=False)
     try:
+        attached = N.llama_ridgefill_params()
+        assert N.llama_ridgefill_get_params(llm._ctx.ctx, ctypes.byref(attached)) == N.LLAMA_RIDGEFILL_TUNABLE[
+            "key_rescale"] | N.LLAMA_RIDGEFILL_TUNABLE["tail"] | N.LLAMA_RIDGEFILL_TUNABLE["exact_fraction"] | \
+            N.LLAMA_RIDGEFILL_TUNABLE["selector"]
+        assert attached.n_key_rescale == 8
         llm.prefill(tokens, 1)
         scales = llm.ridgefill_key_scales()
         assert scales and any(s != 1.0 for row in scales for s in row)
@@ -530,9 +538,11 @@ def test_a_tuned_key_rescale_is_used_and_shown(tiny_models, fitted, cli, tmp_pat
     assert "key_rescale 8" in " ".join(r.output.split())
     d = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert d["options"]["key_rescale"] == 8 and any("key rescale" in c for c in d["retrieval"]["256"])
-    args = server_args(tiny_models["llama"], path, "127.0.0.1", 1)
-    assert args[args.index("--ridgefill-key-rescale") + 1] == "8"
-    assert "--ridgefill-key-rescale" not in server_args(tiny_models["llama"], RidgeFill(path, key_rescale=0), "127.0.0.1", 1)
+    # serve leaves the tuned value to the server, which resolves it from the file as libllama did above;
+    # an explicit one is passed
+    assert "--ridgefill-key-rescale" not in server_args(tiny_models["llama"], path, "127.0.0.1", 1)
+    args = server_args(tiny_models["llama"], RidgeFill(path, key_rescale=0), "127.0.0.1", 1)
+    assert args[args.index("--ridgefill-key-rescale") + 1] == "0"
 
 
 def test_check_key_rescales(cli, tiny_models, fitted):

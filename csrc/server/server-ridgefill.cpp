@@ -8,42 +8,18 @@
 #include <cmath>
 #include <stdexcept>
 
-static const struct {
-    const char * name;
-    int32_t      selector;
-} rf_selectors[] = {
-    { "none",                LLAMA_RIDGEFILL_SELECTOR_NONE                },
-    { "attention",           LLAMA_RIDGEFILL_SELECTOR_ATTENTION           },
-    { "probe",               LLAMA_RIDGEFILL_SELECTOR_PROBE               },
-    { "protected",           LLAMA_RIDGEFILL_SELECTOR_PROTECTED           },
-    { "attention+protected", LLAMA_RIDGEFILL_SELECTOR_ATTENTION_PROTECTED },
-};
-
+// the selector names, from libllama
 static std::string rf_selector_names() {
-    std::string res;
-    for (const auto & s : rf_selectors) {
-        res += res.empty() ? "" : ", ";
-        res += s.name;
-    }
-    return res;
+    return llama_ridgefill_selector_names();
 }
 
 int32_t server_ridgefill_selector_from_name(const std::string & name) {
-    for (const auto & s : rf_selectors) {
-        if (name == s.name) {
-            return s.selector;
-        }
-    }
-    return -1;
+    return llama_ridgefill_selector_from_name(name.c_str());
 }
 
 const char * server_ridgefill_selector_name(int32_t selector) {
-    for (const auto & s : rf_selectors) {
-        if (selector == s.selector) {
-            return s.name;
-        }
-    }
-    return "?";
+    const char * name = llama_ridgefill_selector_name(selector);
+    return name != nullptr ? name : "?";
 }
 
 bool server_ridgefill_configured(const common_params_ridgefill & params) {
@@ -59,16 +35,41 @@ std::string server_ridgefill_disable_for_embeddings(common_params_ridgefill & pa
            "of every prompt row, which RidgeFill skips; prompts run stock prefill";
 }
 
+bool server_ridgefill_to_params(const common_params_ridgefill & params, llama_ridgefill_params & out, std::string & error) {
+    out = llama_ridgefill_default_params();
+    out.split_layer    = params.split >= 0 ? params.split : -1;
+    out.n_tail         = params.n_tail;
+    out.exact_fraction = params.exact_fraction;
+    out.span           = params.span;
+    out.n_key_rescale  = params.n_key_rescale;
+    out.min_prompt     = params.min_prompt;
+    if (!params.selector.empty()) {
+        out.selector = server_ridgefill_selector_from_name(params.selector);
+        if (out.selector < 0) {
+            error = "--ridgefill-selector " + params.selector + ": use one of " + rf_selector_names();
+            return false;
+        }
+    }
+    return true;
+}
+
 common_json server_ridgefill_props(const common_params_ridgefill & params) {
+    // the values the server runs with: the command line's, else the map file's tuned ones, else the
+    // built-in ones, resolved by libllama as llama_ridgefill_attach() resolves them
+    llama_ridgefill_params p;
+    std::string error;
+    if (server_ridgefill_to_params(params, p, error)) {
+        llama_ridgefill_resolve_params(params.maps.empty() ? nullptr : params.maps.c_str(), &p);
+    }
     common_json res;
     res["maps"]           = params.maps;
     res["split"]          = params.split;
-    res["tail"]           = params.n_tail;
-    res["exact_fraction"] = params.exact_fraction;
-    res["selector"]       = params.selector;
-    res["span"]           = params.span;
-    res["key_rescale"]    = params.n_key_rescale;
-    res["min_prompt"]     = params.min_prompt;
+    res["tail"]           = p.n_tail;
+    res["exact_fraction"] = p.exact_fraction;
+    res["selector"]       = server_ridgefill_selector_name(p.selector);
+    res["span"]           = p.span;
+    res["key_rescale"]    = p.n_key_rescale;
+    res["min_prompt"]     = p.min_prompt;
     return res;
 }
 
@@ -200,16 +201,7 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
     if (!server_ridgefill_configured(params)) {
         return true;
     }
-    defaults = llama_ridgefill_default_params();
-    defaults.split_layer    = params.maps.empty() ? params.split : (params.split >= 0 ? params.split : -1);
-    defaults.n_tail         = params.n_tail;
-    defaults.exact_fraction = params.exact_fraction;
-    defaults.min_prompt     = params.min_prompt;
-    defaults.span           = params.span;
-    defaults.n_key_rescale  = params.n_key_rescale;
-    defaults.selector       = server_ridgefill_selector_from_name(params.selector);
-    if (defaults.selector < 0) {
-        error = "--ridgefill-selector " + params.selector + ": use one of " + rf_selector_names();
+    if (!server_ridgefill_to_params(params, defaults, error)) {
         return false;
     }
     if (!params.maps.empty()) {
@@ -228,16 +220,23 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
         maps = nullptr;
         return false;
     }
-    if (maps) {
-        defaults.split_layer = llama_ridgefill_maps_split_layer(maps);
-    }
+    // the settings as attached: unset ones from the map file's tuned values, else built in
+    const int32_t from_maps = llama_ridgefill_get_params(ctx, &defaults);
     attached    = defaults;
     is_attached = true;
     this->ctx   = ctx;
-    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d, exact fraction %.3g, selector %s (span %d), key rescale %d, prompts of >= %d new rows\n",
+    const auto origin = [&](int32_t bit, bool given) {
+        return given ? "" : (from_maps & bit) ? " (map file)" : " (built-in)";
+    };
+    LOG_INF("%s: RidgeFill on: %s, split %d of %d, tail %d%s, exact fraction %.3g%s, selector %s%s (span %d%s), "
+            "key rescale %d%s, prompts of >= %d new rows\n",
             __func__, maps ? params.maps.c_str() : "identity fill", defaults.split_layer, llama_model_n_layer(model),
-            defaults.n_tail, defaults.exact_fraction, server_ridgefill_selector_name(defaults.selector), defaults.span,
-            defaults.n_key_rescale, defaults.min_prompt);
+            defaults.n_tail, origin(LLAMA_RIDGEFILL_TUNABLE_TAIL, params.n_tail != LLAMA_RIDGEFILL_UNSET),
+            defaults.exact_fraction, origin(LLAMA_RIDGEFILL_TUNABLE_EXACT_FRACTION, params.exact_fraction != LLAMA_RIDGEFILL_UNSET),
+            server_ridgefill_selector_name(defaults.selector), origin(LLAMA_RIDGEFILL_TUNABLE_SELECTOR, !params.selector.empty()),
+            defaults.span, origin(LLAMA_RIDGEFILL_TUNABLE_SPAN, params.span != LLAMA_RIDGEFILL_UNSET),
+            defaults.n_key_rescale, origin(LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE, params.n_key_rescale != LLAMA_RIDGEFILL_UNSET),
+            defaults.min_prompt);
     return true;
 }
 

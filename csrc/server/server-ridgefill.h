@@ -53,6 +53,11 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
 // whether the server's command line asks for RidgeFill
 bool server_ridgefill_configured(const common_params_ridgefill & params);
 
+// the command line's RidgeFill settings as libllama parameters: the flags given, the rest unset
+// (llama_ridgefill_default_params: the map file's tuned values, else the built-in ones, once
+// attached); false with the reason in error for an unknown selector name
+bool server_ridgefill_to_params(const common_params_ridgefill & params, llama_ridgefill_params & out, std::string & error);
+
 // An embeddings or reranking server (--embedding, --reranking) pools every layer of every prompt
 // row, which a plan does not compute: RidgeFill is off for it. With embedding and RidgeFill
 // configured, clears params and returns the line to log once; "" otherwise
@@ -81,8 +86,9 @@ enum server_ridgefill_admission {
 server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
         const std::vector<server_ridgefill_slot_cells> & others);
 
-// the command line's RidgeFill settings for GET /props (maps, split, tail, exact_fraction,
-// selector, span, min_prompt; split -1: the map file's)
+// the server's RidgeFill settings for GET /props (maps, split, tail, exact_fraction, selector, span,
+// key_rescale, min_prompt): the command line's, else the map file's tuned values, else the built-in
+// ones; split -1: the map file's
 common_json server_ridgefill_props(const common_params_ridgefill & params);
 
 struct server_ridgefill {
@@ -121,7 +127,7 @@ private:
     llama_context        * ctx  = nullptr;
     llama_ridgefill_maps * maps = nullptr;
 
-    llama_ridgefill_params defaults = {}; // the command line's
+    llama_ridgefill_params defaults = {}; // the command line's, resolved as attached
     llama_ridgefill_params attached = {}; // attached now
     bool                   is_attached = false;
 };
