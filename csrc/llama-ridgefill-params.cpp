@@ -120,10 +120,10 @@ llama_ridgefill_tuned llama_ridgefill_read_tuned(const gguf_context * ctx, const
 }
 
 // a tuned integer that applies, in lo..hi
-static int32_t rf_tuned_int(const std::string & path, const char * name, const char * key, int64_t value, int64_t lo, int64_t hi) {
+static int32_t rf_tuned_int(const std::string & path, const char * name, int64_t value, int64_t lo, int64_t hi) {
     if (value < lo || value > hi) {
         throw std::runtime_error(format("%s: %s %lld must be %s %lld (the map file's tuned value, %s%s)", path.c_str(), name,
-                (long long) value, value < lo ? ">=" : "<=", (long long) (value < lo ? lo : hi), RIDGEFILL_TUNED_PREFIX, key));
+                (long long) value, value < lo ? ">=" : "<=", (long long) (value < lo ? lo : hi), RIDGEFILL_TUNED_PREFIX, name));
     }
     return (int32_t) value;
 }
@@ -131,12 +131,20 @@ static int32_t rf_tuned_int(const std::string & path, const char * name, const c
 int32_t llama_ridgefill_apply_tuned(const llama_ridgefill_tuned * tuned, const std::string & path, llama_ridgefill_params & params) {
     const int32_t has = tuned ? tuned->has : 0;
     int32_t from_file = 0;
-    if (params.n_tail == LLAMA_RIDGEFILL_UNSET) {
-        params.n_tail = (has & LLAMA_RIDGEFILL_TUNABLE_TAIL) ?
-                rf_tuned_int(path, "tail", "tail", tuned->n_tail, 1, INT32_MAX) : RIDGEFILL_BUILTIN.n_tail;
-        from_file |= has & LLAMA_RIDGEFILL_TUNABLE_TAIL;
-    }
+    // an unset integer field: the tuned value (in lo..hi) when the file has one, else the built-in one
+    auto take_int = [&](int32_t & field, int32_t bit, const char * name, int64_t value, int64_t lo, int64_t hi, int32_t builtin) {
+        if (field == LLAMA_RIDGEFILL_UNSET) {
+            field      = (has & bit) ? rf_tuned_int(path, name, value, lo, hi) : builtin;
+            from_file |= has & bit;
+        }
+    };
+    take_int(params.n_tail, LLAMA_RIDGEFILL_TUNABLE_TAIL, "tail", tuned ? tuned->n_tail : 0, 1, INT32_MAX, RIDGEFILL_BUILTIN.n_tail);
+    take_int(params.span, LLAMA_RIDGEFILL_TUNABLE_SPAN, "span", tuned ? tuned->span : 0, 1, LLAMA_RIDGEFILL_MAX_SPAN,
+            RIDGEFILL_BUILTIN.span);
+    take_int(params.n_key_rescale, LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE, "key_rescale", tuned ? tuned->n_key_rescale : 0, 0,
+            INT32_MAX, RIDGEFILL_BUILTIN.n_key_rescale);
     if (params.exact_fraction == LLAMA_RIDGEFILL_UNSET) {
+        params.exact_fraction = RIDGEFILL_BUILTIN.exact_fraction;
         if (has & LLAMA_RIDGEFILL_TUNABLE_EXACT_FRACTION) {
             const double f = tuned->exact_fraction;
             if (!std::isfinite(f) || f < 0.0 || f > 1.0) {
@@ -144,32 +152,19 @@ int32_t llama_ridgefill_apply_tuned(const llama_ridgefill_tuned * tuned, const s
                         path.c_str(), f, RIDGEFILL_TUNED_PREFIX));
             }
             params.exact_fraction = f;
-        } else {
-            params.exact_fraction = RIDGEFILL_BUILTIN.exact_fraction;
+            from_file |= LLAMA_RIDGEFILL_TUNABLE_EXACT_FRACTION;
         }
-        from_file |= has & LLAMA_RIDGEFILL_TUNABLE_EXACT_FRACTION;
     }
     if (params.selector == LLAMA_RIDGEFILL_UNSET) {
+        params.selector = RIDGEFILL_BUILTIN.selector;
         if (has & LLAMA_RIDGEFILL_TUNABLE_SELECTOR) {
             params.selector = llama_ridgefill_selector_from_name(tuned->selector.c_str());
             if (params.selector < 0) {
                 throw std::runtime_error(format("%s: selector '%s' is not a selector (the map file's tuned value, %sselector)",
                         path.c_str(), tuned->selector.c_str(), RIDGEFILL_TUNED_PREFIX));
             }
-        } else {
-            params.selector = RIDGEFILL_BUILTIN.selector;
+            from_file |= LLAMA_RIDGEFILL_TUNABLE_SELECTOR;
         }
-        from_file |= has & LLAMA_RIDGEFILL_TUNABLE_SELECTOR;
-    }
-    if (params.span == LLAMA_RIDGEFILL_UNSET) {
-        params.span = (has & LLAMA_RIDGEFILL_TUNABLE_SPAN) ?
-                rf_tuned_int(path, "span", "span", tuned->span, 1, LLAMA_RIDGEFILL_MAX_SPAN) : RIDGEFILL_BUILTIN.span;
-        from_file |= has & LLAMA_RIDGEFILL_TUNABLE_SPAN;
-    }
-    if (params.n_key_rescale == LLAMA_RIDGEFILL_UNSET) {
-        params.n_key_rescale = (has & LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE) ?
-                rf_tuned_int(path, "key_rescale", "key_rescale", tuned->n_key_rescale, 0, INT32_MAX) : RIDGEFILL_BUILTIN.n_key_rescale;
-        from_file |= has & LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE;
     }
     return from_file;
 }

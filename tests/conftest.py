@@ -1,5 +1,7 @@
-"""Shared fixtures: the repository's tools/ on sys.path, the real models (skipped with a reason
-when absent), and a CLI runner."""
+"""Shared fixtures: the repository's tools/ and tools/measure/ on sys.path (the llama.cpp fetcher and the
+measurement scripts some tests import), the tiny models of every architecture
+(:mod:`ridgefill_cpp.testing.tiny_models`), the real models (skipped with a reason when absent), and a
+CLI runner."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "measure"))
 
 
 def _real_model(name: str) -> Path:
-    from ridgefill_cpp import models
+    from ridgefill_cpp.core import models
 
     p = models.available(name)
     if p is None:
@@ -48,7 +51,7 @@ def tokenize(model_path, text: str, n: int | None = None, add_bos: bool = True) 
 
 def tiny_model_fixture(build, name: str, seed: int = 0, **overrides):
     """A module-scoped fixture: the path of the tiny model ``build(<tmp>/<name>.gguf, seed=seed,
-    **overrides)`` writes (a builder of tools/, e.g. ``tiny_qwen35.build_qwen35``), once per module.
+    **overrides)`` writes (a builder of :mod:`ridgefill_cpp.testing`, e.g. ``tiny_qwen35.build_qwen35``), once per module.
     Assign it to the fixture's name: ``model = tiny_model_fixture(tiny_qwen35.build_qwen35, "tiny-qwen35")``."""
 
     @pytest.fixture(scope="module")
@@ -85,9 +88,8 @@ def cli():
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """arch -> path of a tiny random-weight GGUF (tools/make_tiny_models.py), built once per session."""
-    import make_tiny_models
-
+    """arch -> path of a tiny random-weight GGUF (ridgefill_cpp/testing/tiny_models.py), built once per session."""
+    from ridgefill_cpp.testing import tiny_models as make_tiny_models
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_models.make_tiny_model(arch, root / f"tiny-{arch}.gguf", seed=0)
             for arch in make_tiny_models.ARCHS}
@@ -130,7 +132,7 @@ def evaluation_tokens(model_path, n: int) -> list[int]:
     import ridgefill_cpp  # noqa: F401  (the patched libraries)
     from llama_cpp import Llama
 
-    from ridgefill_cpp import corpus
+    from ridgefill_cpp.fitting import corpus
 
     text = "\n".join(d.text for _, d in zip(range(4), corpus.default_documents("evaluation")))
     llm = Llama(model_path=str(model_path), vocab_only=True, verbose=False)

@@ -69,7 +69,7 @@ def assert_degenerate_plans_are_stock(path, tokens, *, n_layer: int, split: int,
 @contextlib.contextmanager
 def captured_log():
     """llama.cpp's log lines while the block runs (a list that fills up), then ridgefill_cpp's log callback again."""
-    from ridgefill_cpp import _log
+    from ridgefill_cpp.core import log as _log
 
     lines: list[str] = []
 

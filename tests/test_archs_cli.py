@@ -14,9 +14,9 @@ import shutil
 import pytest
 
 from ridgefill_cpp import RidgeFill  # first: the patched libraries
-from ridgefill_cpp.gguf_model import read_model_info
-from ridgefill_cpp.mapfile import read_map_file
-from ridgefill_cpp.serve import Server
+from ridgefill_cpp.core.gguf_model import read_model_info
+from ridgefill_cpp.maps.mapfile import read_map_file
+from ridgefill_cpp.server.serve import Server
 from test_serve import no_proxy  # noqa: F401  (autouse: loopback requests never go through a proxy)
 from test_serve_ridgefill import TINY_ARGS, _assert_same, _complete, _library, _prompt
 

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from ridgefill_cpp.bench import benchmark_prefill
-from ridgefill_cpp.capture import capture_layer_inputs
-from ridgefill_cpp.gguf_copy import first_layers_gguf
-from ridgefill_cpp.gguf_model import read_model_info
+from ridgefill_cpp.quality.bench import benchmark_prefill
+from ridgefill_cpp.fitting.capture import capture_layer_inputs
+from ridgefill_cpp.maps.gguf_copy import first_layers_gguf
+from ridgefill_cpp.core.gguf_model import read_model_info
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen35"])
@@ -65,9 +65,9 @@ def test_benchmark_runs_side_by_side(tiny_models, cli, tmp_path):
 
 
 def test_benchmark_with_maps(tiny_models, cli, tmp_path):
-    from ridgefill_cpp import corpus
-    from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-    from ridgefill_cpp.mapfile import write_map_file
+    from ridgefill_cpp.fitting import corpus
+    from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+    from ridgefill_cpp.maps.mapfile import write_map_file
 
     fit = fit_ridge_maps(tiny_models["llama"], corpus.default_documents("calibration"),
                          FitOptions(n_tokens=2000, ctx=128, split=4, n_threads=1))
@@ -81,15 +81,15 @@ def test_benchmark_with_maps(tiny_models, cli, tmp_path):
     r = cli("bench", tiny_models["llama"], "--lengths", "64", "--no-identity")
     assert r.exit_code == 1 and "nothing to compare with stock" in r.output
 
-    # the GPU placement measurement script (tools/measure_cuda_placement.py) runs end to end on a CPU
+    # the GPU placement measurement script (tools/measure/gpu_h200_placement.py) runs end to end on a CPU
     # build too: three processes, where the maps live, no VRAM figure without nvidia-smi
     import subprocess
     import sys
     from pathlib import Path
 
-    tools = Path(__file__).resolve().parents[1] / "tools"
+    tools = Path(__file__).resolve().parents[1] / "tools" / "measure"
     out = tmp_path / "placement.json"
-    run = subprocess.run([sys.executable, str(tools / "measure_cuda_placement.py"), "--model", str(tiny_models["llama"]),
+    run = subprocess.run([sys.executable, str(tools / "gpu_h200_placement.py"), "--model", str(tiny_models["llama"]),
                           "--maps", str(maps), "--lengths", "100", "--repeats", "1", "--tail", "8", "--n-batch", "64",
                           "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -121,15 +121,15 @@ def test_demo_runs_on_a_tiny_model(tiny_models, cli, tmp_path, monkeypatch):
 
 
 def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
-    """tools/gpu_check.py (the H200 figures of docs/gpu-h200) and tools/measure_state_correction.py
+    """tools/measure/gpu_h200_check.py (the H200 figures of docs/gpu-h200) and tools/measure/results_state_correction.py
     run end to end on a CPU build: every architecture's RidgeFill prefill agrees with the oracle at
     float32 rounding here, and the state-correction report covers the tiny hybrid's mapped GDN layer."""
     import subprocess
     import sys
     from pathlib import Path
 
-    tools = Path(__file__).resolve().parents[1] / "tools"
-    run = subprocess.run([sys.executable, str(tools / "gpu_check.py"), "--out", str(tmp_path / "gpu"), "--n-gpu-layers", "0",
+    tools = Path(__file__).resolve().parents[1] / "tools" / "measure"
+    run = subprocess.run([sys.executable, str(tools / "gpu_h200_check.py"), "--out", str(tmp_path / "gpu"), "--n-gpu-layers", "0",
                           "--skip-speed"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     d = json.loads((tmp_path / "gpu" / "gpu-check.json").read_text())
@@ -143,7 +143,7 @@ def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
     assert d["agreement"]["qwen35"]["state_correction_vs_oracle"] < 1e-5
 
     out = tmp_path / "statecorr.json"
-    run = subprocess.run([sys.executable, str(tools / "measure_state_correction.py"), "--windows", "2", "--ctx", "256",
+    run = subprocess.run([sys.executable, str(tools / "results_state_correction.py"), "--windows", "2", "--ctx", "256",
                           "--tail", "32", "--calib-tokens", "6000", "--json", str(out)], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -155,7 +155,7 @@ def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
 
 
 def test_plan_accounting_and_arch_bench_tools_run(tmp_path):
-    """tools/plan_accounting.py (docs/overhead-cpu) and tools/bench_archs.py (docs/archs-cpu) run end to
+    """tools/measure/overhead_cpu.py (docs/overhead-cpu) and tools/measure/archs_cpu.py (docs/archs-cpu) run end to
     end on short prompts: the accounting's graph counts follow the plan (700 rows: two ubatches, each
     building its graph, the second holding the selector's query rows; some late graphs), with a stock
     prefill of the same prompt beside it; the bench reports every arch it ran."""
@@ -163,9 +163,9 @@ def test_plan_accounting_and_arch_bench_tools_run(tmp_path):
     import sys
     from pathlib import Path
 
-    tools = Path(__file__).resolve().parents[1] / "tools"
+    tools = Path(__file__).resolve().parents[1] / "tools" / "measure"
     out = tmp_path / "acct.json"
-    run = subprocess.run([sys.executable, str(tools / "plan_accounting.py"), "--shape", "small", "--lengths", "700",
+    run = subprocess.run([sys.executable, str(tools / "overhead_cpu.py"), "--shape", "small", "--lengths", "700",
                           "--threads", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())
@@ -174,7 +174,7 @@ def test_plan_accounting_and_arch_bench_tools_run(tmp_path):
     assert row["stock"]["graphs"] == {"built": 2, "reused": 0} and row["stock"]["prefill_ms"] > 0  # 512 + 188 rows
     assert row["late_rows"]["attention"] == 512 and "| small | 700 |" in run.stdout
     out = tmp_path / "archs.json"
-    run = subprocess.run([sys.executable, str(tools / "bench_archs.py"), "--arch", "qwen2", "--lengths", "300",
+    run = subprocess.run([sys.executable, str(tools / "archs_cpu.py"), "--arch", "qwen2", "--lengths", "300",
                           "--repeats", "1", "--threads", "1", "--json", str(out)], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -187,9 +187,9 @@ def test_bench_checks_the_maps_against_the_model_as_eval_does(cli, tiny_models, 
     not fit, in eval's words, before it loads anything."""
     from test_mapfile import _maps
 
-    from ridgefill_cpp import capture
-    from ridgefill_cpp.fingerprint import model_fingerprint
-    from ridgefill_cpp.mapfile import write_map_file
+    from ridgefill_cpp.fitting import capture
+    from ridgefill_cpp.maps.fingerprint import model_fingerprint
+    from ridgefill_cpp.maps.mapfile import write_map_file
 
     def no_model(*a, **k):
         raise AssertionError("a model was loaded")
@@ -215,7 +215,9 @@ def test_bench_checks_the_maps_against_the_model_as_eval_does(cli, tiny_models, 
 def test_output_paths_are_checked_before_any_work(cli, tiny_models, tmp_path, monkeypatch):
     """bench --json, eval --out and tune --out are checked first: a path that cannot be written ends
     the command at once with a clear error, not after the whole run."""
-    from ridgefill_cpp import bench, evaluate, tune
+    from ridgefill_cpp.quality import bench
+    from ridgefill_cpp.quality import evaluate
+    from ridgefill_cpp.quality import tune
 
     def no_work(*a, **k):
         raise AssertionError("the work started")
@@ -247,10 +249,12 @@ def test_bench_and_eval_use_the_map_files_tuned_defaults_as_serve_and_llama_do(c
     used the built-in 64 / 0.1 / attention whatever the file said.)"""
     from test_mapfile import _maps
 
-    from ridgefill_cpp import bench, evaluate
-    from ridgefill_cpp.fingerprint import model_fingerprint
-    from ridgefill_cpp.mapfile import write_map_file, write_tuned_defaults
-    from ridgefill_cpp.prefill import RidgeFill
+    from ridgefill_cpp.quality import bench
+
+    from ridgefill_cpp.quality import evaluate
+    from ridgefill_cpp.maps.fingerprint import model_fingerprint
+    from ridgefill_cpp.maps.mapfile import write_map_file, write_tuned_defaults
+    from ridgefill_cpp.runtime.prefill import RidgeFill
 
     class Stop(Exception):
         pass
@@ -328,7 +332,7 @@ def test_llama_cpp_log_lines_stay_out_of_the_output_unless_verbose(tiny_models, 
 
 
 def test_gpu_run_dry_run_on_the_cpu(tmp_path):
-    """tools/gpu_run.py, the device run of a GPU lease (docs/gpu-h200, issue #32), with --dry-run: the
+    """tools/measure/gpu_h200.py, the device run of a GPU lease (docs/gpu-h200, issue #32), with --dry-run: the
     same shapes' structure at tiny sizes on the CPU backend, so that the script cannot rot between
     leases. Every section runs and reports: TTFT of the four variants with the plan's statistics, the
     per-ubatch timeline (one entry per ubatch; the RidgeFill run's last one holds the late phase), and
@@ -337,9 +341,9 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    tools = Path(__file__).resolve().parents[1] / "tools"
+    tools = Path(__file__).resolve().parents[1] / "tools" / "measure"
     out = tmp_path / "gpu-run"
-    run = subprocess.run([sys.executable, str(tools / "gpu_run.py"), "--dry-run", "--out", str(out), "--repeats", "1",
+    run = subprocess.run([sys.executable, str(tools / "gpu_h200.py"), "--dry-run", "--out", str(out), "--repeats", "1",
                           "--n-gpu-layers", "0"], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     d = json.loads((out / "gpu-run.json").read_text())

@@ -16,16 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-import make_tiny_models as mtm
+from ridgefill_cpp.testing import tiny_models as mtm
 from conftest import evaluation_tokens
 
 import ridgefill_cpp  # noqa: F401  (first: llama_cpp then loads the patched libraries)
 from prefill_helpers import ctx_kwargs, last_logits, rel
-from ridgefill_cpp import Llama, RidgeFill, compact, corpus, mapfile
-from ridgefill_cpp.capture import open_model
-from ridgefill_cpp.fit import FitError, FitOptions, compact_result, fit_ridge_maps
-from ridgefill_cpp.mapfile import MapFileError, read_map_file, write_map_file
-from ridgefill_cpp.native_maps import NativeMaps
+from ridgefill_cpp import Llama, RidgeFill
+from ridgefill_cpp.maps import compact
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.maps import mapfile
+from ridgefill_cpp.fitting.capture import open_model
+from ridgefill_cpp.fitting.fit import FitError, FitOptions, compact_result, fit_ridge_maps
+from ridgefill_cpp.maps.mapfile import MapFileError, read_map_file, write_map_file
+from ridgefill_cpp.runtime.native_maps import NativeMaps
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.fill import attention_scores, default_selector_layer, fill_forward, select_exact_rows
 
@@ -387,7 +390,7 @@ def test_tune_keeps_the_stored_type_and_the_server_uses_it(tiny_models, files, t
     import shutil
     import urllib.request
 
-    from ridgefill_cpp.serve import Server
+    from ridgefill_cpp.server.serve import Server
 
     model = tiny_models["llama"]
     path = shutil.copy(files["llama", "q8_0-identity-r32"], tmp_path / "tuned.gguf")

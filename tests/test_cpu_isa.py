@@ -75,7 +75,7 @@ def typed_models(tmp_path_factory) -> dict[str, Path]:
     quantized by llama.cpp itself with every matrix in that type."""
     import ctypes
 
-    import make_tiny_models
+    from ridgefill_cpp.testing import tiny_models as make_tiny_models
     from llama_cpp import llama_cpp as C
 
     root = tmp_path_factory.mktemp("isa-models")

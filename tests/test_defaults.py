@@ -18,10 +18,11 @@ from typing import Any, Mapping
 
 import pytest
 
-import ridgefill_cpp._native as N
-from ridgefill_cpp import RidgeFill, settings
+import ridgefill_cpp.core.native as N
+from ridgefill_cpp import RidgeFill
+from ridgefill_cpp.core import settings
 from ridgefill_cpp.oracle import fill as F
-from ridgefill_cpp.serve import server_binary
+from ridgefill_cpp.server.serve import server_binary
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

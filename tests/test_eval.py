@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from ridgefill_cpp import corpus
-from ridgefill_cpp.evaluate import EvalOptions, build_documents, default_texts, evaluate, licence_documents
-from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-from ridgefill_cpp.mapfile import write_map_file
-from ridgefill_cpp.report import ci_text, write_report
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.quality.evaluate import EvalOptions, build_documents, default_texts, evaluate, licence_documents
+from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.maps.mapfile import write_map_file
+from ridgefill_cpp.quality.report import ci_text, write_report
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_exact_against_exact_is_zero(tiny_models, tiny_maps, tmp_path):
 def test_plant_facts():
     """The facts go in order of depth at their share of the region before the tail, the question
     ends the prompt, and the distractors of a prompt sit before its fact, apart, inside the region."""
-    from ridgefill_cpp.evaluate import distractor_depths, plant_facts
+    from ridgefill_cpp.quality.evaluate import distractor_depths, plant_facts
 
     bos, filler, q = [1], list(range(100, 1100)), [7, 7, 7]
     facts = [(0.5, [-1, -1]), (0.1, [-2]), (0.9, [-3, -3, -3])]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ridgefill_cpp import corpus
-from ridgefill_cpp.fit import (
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.fitting.fit import (
     FitError,
     FitOptions,
     RidgeStatistics,
@@ -21,7 +21,7 @@ from ridgefill_cpp.fit import (
     window_lengths,
     window_plan,
 )
-from ridgefill_cpp.mapfile import read_map_file, write_map_file
+from ridgefill_cpp.maps.mapfile import read_map_file, write_map_file
 
 
 def _synthetic(n=600, d=12, seed=0, noise=0.01):
@@ -193,7 +193,7 @@ def test_unsupported_architecture(unsupported_model):
 
 
 def test_several_splits_from_one_capture_pass_equal_separate_fits(tiny_models):
-    from ridgefill_cpp.fit import fit_ridge_maps_for_splits
+    from ridgefill_cpp.fitting.fit import fit_ridge_maps_for_splits
 
     path = tiny_models["qwen3"]
     opt = FitOptions(n_tokens=4000, ctx=128, n_threads=1)
@@ -213,7 +213,7 @@ def test_several_splits_from_one_capture_pass_equal_separate_fits(tiny_models):
 
 def test_fit_ctx_beyond_the_training_context_and_a_context_llama_cpp_cannot_create(cli, tiny_models, tmp_path,
                                                                                     monkeypatch):
-    from ridgefill_cpp import capture
+    from ridgefill_cpp.fitting import capture
 
     res = cli("fit", tiny_models["llama"], "--ctx", 1_000_000, "-o", tmp_path / "o.gguf")
     assert res.exit_code == 1, res.output

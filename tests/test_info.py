@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ridgefill_cpp.gguf_model import GGUFFileError, read_model_info
+from ridgefill_cpp.core.gguf_model import GGUFFileError, read_model_info
 
 
 def _digest(p: Path) -> str:

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ridgefill_cpp import mapfile
-from ridgefill_cpp.fingerprint import model_fingerprint
-from ridgefill_cpp.mapfile import MapFileError, MapFileMeta, RidgeMaps, read_map_file, write_map_file
-from synthetic_maps import without_digest  # tools/: a map file as written before content digests existed
+from ridgefill_cpp.maps import mapfile
+from ridgefill_cpp.maps.fingerprint import model_fingerprint
+from ridgefill_cpp.maps.mapfile import MapFileError, MapFileMeta, RidgeMaps, read_map_file, write_map_file
+from ridgefill_cpp.testing.synthetic_maps import without_digest  # tools/: a map file as written before content digests existed
 
 
 def _maps(n_embd=16, split=3, n_layer=6, seed=0, arch="llama", fingerprint="sha256:x") -> RidgeMaps:
@@ -147,8 +147,7 @@ def test_wrong_version_and_missing_tensor(tmp_path, monkeypatch):
 
 
 def test_compatibility_with_models(tiny_models, tmp_path):
-    import make_tiny_models
-
+    from ridgefill_cpp.testing import tiny_models as make_tiny_models
     llama = tiny_models["llama"]
     fp = model_fingerprint(llama)
     maps = _maps(n_embd=64, split=3, n_layer=6, fingerprint=fp)
@@ -252,7 +251,7 @@ def test_cli_fit_several_splits(cli, tiny_models, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# output files (ridgefill_cpp.files): regular files only, the umask's mode, recognisable temporaries
+# output files (ridgefill_cpp.core.files): regular files only, the umask's mode, recognisable temporaries
 
 
 def test_cli_fit_refuses_to_replace_a_symlink_fifo_or_directory(cli, tiny_models, tmp_path):
@@ -260,7 +259,7 @@ def test_cli_fit_refuses_to_replace_a_symlink_fifo_or_directory(cli, tiny_models
     replaced, never /dev/null), a FIFO or a directory at X is refused by name before any work."""
     import stat
 
-    from ridgefill_cpp.files import OutputPathError, check_output
+    from ridgefill_cpp.core.files import OutputPathError, check_output
 
     precious = tmp_path / "precious.txt"
     precious.write_text("precious")
@@ -296,9 +295,9 @@ def test_written_files_get_the_umask_mode_and_replaced_files_keep_theirs(tmp_pat
     file replaced with --force keeps its permission bits."""
     import stat
 
-    from ridgefill_cpp.files import write_bytes
-    from ridgefill_cpp.gguf_copy import first_layers_gguf
-    from ridgefill_cpp.mapfile import write_tuned_defaults
+    from ridgefill_cpp.core.files import write_bytes
+    from ridgefill_cpp.maps.gguf_copy import first_layers_gguf
+    from ridgefill_cpp.maps.mapfile import write_tuned_defaults
 
     def mode(p):
         return stat.S_IMODE(os.stat(p).st_mode)
@@ -326,10 +325,10 @@ def test_a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_write
     import sys
 
     import ridgefill_cpp
-    from ridgefill_cpp.files import TMP_MARK
+    from ridgefill_cpp.core.files import TMP_MARK
 
     target = tmp_path / "m.ridgefill.gguf"
-    code = (f"import os, signal\nfrom ridgefill_cpp.files import atomic_path\n"
+    code = (f"import os, signal\nfrom ridgefill_cpp.core.files import atomic_path\n"
             f"with atomic_path({str(target)!r}) as tmp:\n"
             f"    open(tmp, 'wb').write(b'half a map file')\n"
             f"    os.kill(os.getpid(), signal.SIGKILL)\n")

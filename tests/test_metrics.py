@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from ridgefill_cpp.metrics import (
+from ridgefill_cpp.quality.metrics import (
     CI,
     bootstrap_ci,
     delta_nll,

@@ -42,8 +42,8 @@ def test_llama_cpp_loads_the_patched_libraries():
 def test_one_architecture_table():
     """libllama's table (csrc/llama-ridgefill-arch.cpp) is the one list of supported architectures:
     Python reads it through the C API, and every entry has an independent oracle."""
-    from ridgefill_cpp import gguf_model
-    from ridgefill_cpp._native import llama_ridgefill_supported_arch
+    from ridgefill_cpp.core import gguf_model
+    from ridgefill_cpp.core.native import llama_ridgefill_supported_arch
     from ridgefill_cpp.oracle import SUPPORTED_ARCHITECTURES as ORACLE_ARCHITECTURES
 
     names = []
@@ -77,7 +77,7 @@ def test_capture_hooks_do_not_change_the_numerics(smollm2_path):
 
     from llama_cpp import llama_cpp as C
 
-    from ridgefill_cpp.capture import capture_layer_inputs, open_model
+    from ridgefill_cpp.fitting.capture import capture_layer_inputs, open_model
 
     llm = open_model(smollm2_path, n_ctx=256, n_batch=256)
     try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ridgefill_cpp import corpus, mapfile
-from ridgefill_cpp.capture import open_model
-from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-from ridgefill_cpp.mapfile import MapFileError, read_map_file, write_map_file
-from ridgefill_cpp.native_maps import NativeMaps
+from ridgefill_cpp.fitting import corpus
+
+from ridgefill_cpp.maps import mapfile
+from ridgefill_cpp.fitting.capture import open_model
+from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.maps.mapfile import MapFileError, read_map_file, write_map_file
+from ridgefill_cpp.runtime.native_maps import NativeMaps
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,7 @@ def _expect_refusal(llm, path, message, **kw):
 
 
 def test_refusals(llm, fitted, tiny_models, tmp_path, monkeypatch):
-    import make_tiny_models
-
+    from ridgefill_cpp.testing import tiny_models as make_tiny_models
     model_path, f16, _ = fitted["llama"]
     _expect_refusal(llm, fitted["qwen3"][1], "maps are for architecture qwen3, the model is llama")
     _expect_refusal(llm, f16, "fitted for split 4, not the requested split 3", split=3)
@@ -115,14 +116,14 @@ def test_load_is_repeatable_and_frees(llm, fitted):
 
 
 # ------------------------------------------------------------------------------------------------
-# the model fingerprint in libllama (the loader's own check) against ridgefill_cpp.fingerprint
+# the model fingerprint in libllama (the loader's own check) against ridgefill_cpp.maps.fingerprint
 
 
 def _native_fingerprint(path) -> str:
     import ctypes
     import os
 
-    from ridgefill_cpp import _native as N
+    from ridgefill_cpp.core import native as N
 
     buf = ctypes.create_string_buffer(64)
     n = N.llama_ridgefill_model_fingerprint(os.fsencode(path), buf, len(buf))
@@ -135,7 +136,7 @@ def _native_fingerprint(path) -> str:
 def test_libllama_fingerprint_equals_the_python_one(tiny_models, tmp_path, smollm2_path, gemma3_path):
     import gguf
 
-    from ridgefill_cpp.fingerprint import model_fingerprint
+    from ridgefill_cpp.maps.fingerprint import model_fingerprint
 
     paths = [*tiny_models.values(), smollm2_path, gemma3_path]
     # what gguf-py can write and llama.cpp's own writer never does: a trailing dimension of 1 (part
@@ -189,8 +190,7 @@ def test_loader_checks_the_fingerprint_and_refuses_fifos(llm, fitted, tiny_model
     NativeMaps(llm._model.model, f16, model_path=model_path).close()  # its own model: loads
     # the refusal now comes from libllama's loader (the server and C callers get it too)
     other = tiny_models["llama"].parent / "fp-seed2.gguf"
-    import make_tiny_models
-
+    from ridgefill_cpp.testing import tiny_models as make_tiny_models
     make_tiny_models.make_tiny_model("llama", other, seed=2)
     _expect_refusal(llm, f16, r"fitted on model sha256:[0-9a-f]{32}, .*fp-seed2.gguf is sha256:[0-9a-f]{32} \(another "
                     r"checkpoint\)", model_path=other)
@@ -212,8 +212,7 @@ def test_llama_server_refuses_maps_of_another_checkpoint(fitted, tiny_models, tm
     fingerprint at start-up: it exits with the message before it listens."""
     import subprocess
 
-    import make_tiny_models
-
+    from ridgefill_cpp.testing import tiny_models as make_tiny_models
     import ridgefill_cpp
 
     _, f16, _ = fitted["llama"]
@@ -280,7 +279,7 @@ def test_every_entry_point_refuses_corrupted_maps(fitted, tiny_models, tmp_path)
     import ridgefill_cpp
     from ridgefill_cpp import Llama, RidgeFill
     from ridgefill_cpp.cli import app
-    from ridgefill_cpp.serve import check_ridgefill
+    from ridgefill_cpp.server.serve import check_ridgefill
     from test_mapfile import corrupted_copy, flip_byte
 
     model_path, f16, _ = fitted["llama"]

@@ -39,9 +39,9 @@ import pytest
 import torch
 
 from conftest import TINY_PROMPT, tokenize
-import make_tiny_models as mtm
+from ridgefill_cpp.testing import tiny_models as mtm
 
-from ridgefill_cpp.capture import capture_layer_inputs
+from ridgefill_cpp.fitting.capture import capture_layer_inputs
 from ridgefill_cpp.oracle import SUPPORTED_ARCHITECTURES, DenseOracle, load_oracle
 from ridgefill_cpp.oracle.common import ROPE_NEOX, ROPE_NORM
 
@@ -272,6 +272,7 @@ def test_load_oracle_dispatch_and_unsupported_arch(tmp_path, tiny_models):
     assert isinstance(load_oracle(tiny_models["gemma3"]), DenseOracle)
     assert SUPPORTED_ARCHITECTURES == ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "qwen35moe",
                                        "gpt-oss")
+    assert set(SUPPORTED_ARCHITECTURES) == set(mtm.ARCHS)  # a tiny model for every architecture the oracle has
     writer = mtm.new_writer(tmp_path / "gpt2.gguf", "gpt2")
     path = mtm.write_and_close(writer, tmp_path / "gpt2.gguf")
     with pytest.raises(ValueError, match=r"'gpt2'.*supported architectures: llama, qwen3, gemma3, qwen35, qwen2, mistral3, qwen3moe, "

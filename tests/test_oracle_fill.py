@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-import make_tiny_models as mtm
+from ridgefill_cpp.testing import tiny_models as mtm
 from conftest import evaluation_tokens
 
-from ridgefill_cpp import corpus
-from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.common import rms_norm
 from ridgefill_cpp.oracle.fill import (
@@ -468,10 +468,10 @@ def test_key_scale_is_the_same_before_and_after_rope(arch, oracles, exact):
 
 
 def test_qwen35_state_gains_boundary_split_and_least_squares(oracles, prompt, exact, maps, tiny_models):
-    from ridgefill_cpp.fit import calibration_tokens
+    from ridgefill_cpp.fitting.fit import calibration_tokens
     from ridgefill_cpp.oracle.state_correction import (boundary_pair, evaluate_correction, fit_state_gains,
                                                        gains_from_pairs, late_gdn_layers)
-    from ridgefill_cpp.prefill import Llama
+    from ridgefill_cpp.runtime.prefill import Llama
 
     o = oracles["qwen35"]
     S = _split(o)

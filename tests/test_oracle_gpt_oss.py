@@ -1,6 +1,6 @@
 """The gpt-oss torch oracle (ridgefill_cpp.oracle.gpt_oss) against llama.cpp, on the tiny gpt-oss model.
 
-The tiny model (tools/tiny_gpt_oss.py): 6 layers, sliding window 16 on layers 0, 2, 4 and full
+The tiny model (ridgefill_cpp/testing/tiny_gpt_oss.py): 6 layers, sliding window 16 on layers 0, 2, 4 and full
 attention on 1, 3, 5 (llama.cpp's load_swa_pattern(ml, 2)); 8 query / 2 KV heads of dim 16
 (n_head · head_dim = 128 ≠ n_embd = 64); Q/K/V and output biases; attention sinks; NEOX RoPE with
 YaRN (factor 8 over 256 original positions); 4 experts, 2 used, router and expert biases,
@@ -47,12 +47,11 @@ import torch
 from conftest import TINY_PROMPT, tiny_model_fixture, tokenize
 from test_oracle import _fmt, _rel, _within, free_running_errors, layer_by_layer_errors
 from test_oracle import assert_kv_path_gives_the_cache, assert_kv_path_rows_are_independent, each_layer, set_hp
-import make_tiny_models as mtm
-import tiny_gpt_oss
-
-from ridgefill_cpp.capture import capture_layer_inputs
-from ridgefill_cpp.gguf_model import read_metadata, read_model_info, read_tensors
-from ridgefill_cpp.mapfile import MapFileMeta, RidgeMaps
+from ridgefill_cpp.testing import tiny_models as mtm
+from ridgefill_cpp.testing import tiny_gpt_oss
+from ridgefill_cpp.fitting.capture import capture_layer_inputs
+from ridgefill_cpp.core.gguf_model import read_metadata, read_model_info, read_tensors
+from ridgefill_cpp.maps.mapfile import MapFileMeta, RidgeMaps
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.common import ROPE_NORM, rms_norm
 from ridgefill_cpp.oracle.dense import DenseOracle
@@ -179,7 +178,7 @@ def test_tiny_gpt_oss_file(model):
 
 def test_tiny_gpt_oss_deterministic_validated_and_f16(tmp_path):
     a = tiny_gpt_oss.build_gpt_oss(tmp_path / "a.gguf", seed=5)
-    b = mtm.make_tiny_model("gpt-oss", tmp_path / "b.gguf", seed=5)  # the same through make_tiny_models
+    b = mtm.make_tiny_model("gpt-oss", tmp_path / "b.gguf", seed=5)  # the same through tiny_models
     c = tiny_gpt_oss.build_gpt_oss(tmp_path / "c.gguf", seed=6)
     sha = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in (a, b, c)]
     assert sha[0] == sha[1] != sha[2]

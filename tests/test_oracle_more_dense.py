@@ -1,5 +1,5 @@
 """The oracle of qwen2, mistral3 and qwen3moe (ridgefill_cpp.oracle.dense_more) against llama.cpp itself,
-on their tiny models (tools/tiny_dense_more.py), and the tiny models themselves.
+on their tiny models (ridgefill_cpp/testing/tiny_dense_more.py), and the tiny models themselves.
 
 For each architecture, seeds 0, 1, 2 and the 100-token prompt, llama.cpp (F32 KV cache, flash
 attention OFF, as in test_oracle.py) gives its layer inputs (the layer-input tap), the last row's
@@ -56,14 +56,14 @@ import numpy as np
 import pytest
 import torch
 
-import make_tiny_models as mtm
-import tiny_dense_more as tdm
+from ridgefill_cpp.testing import tiny_models as mtm
+from ridgefill_cpp.testing import tiny_dense_more as tdm
 from conftest import TINY_PROMPT, tokenize
 from test_oracle import _fmt, _rel, _within, free_running_errors, layer_by_layer_errors
 from test_oracle import assert_kv_path_gives_the_cache, assert_kv_path_rows_are_independent
 
-from ridgefill_cpp.capture import capture_layer_inputs, open_model
-from ridgefill_cpp.gguf_model import read_metadata, read_tensors
+from ridgefill_cpp.fitting.capture import capture_layer_inputs, open_model
+from ridgefill_cpp.core.gguf_model import read_metadata, read_tensors
 from ridgefill_cpp.oracle import SUPPORTED_ARCHITECTURES, MoreDenseOracle, load_oracle, oracle_class
 from ridgefill_cpp.oracle.common import ROPE_NEOX, ROPE_NORM, rms_norm
 from ridgefill_cpp.oracle.fill import ROLE_FILLED, fill_forward, select_attention_rows

@@ -1,6 +1,6 @@
 """The qwen35 (Gated DeltaNet hybrid) torch oracle against llama.cpp, on the tiny qwen35 model.
 
-The tiny model (tools/tiny_qwen35.py): 6 layers, GDN at 0, 1, 3, 4 and gated full attention at 2
+The tiny model (ridgefill_cpp/testing/tiny_qwen35.py): 6 layers, GDN at 0, 1, 3, 4 and gated full attention at 2
 and 5; 2 key / 4 value GDN heads (so the key-head broadcast is exercised), IMROPE sections.
 
 Checked on a ~100-token prompt, with llama.cpp on an F32 KV cache and flash attention OFF:
@@ -38,11 +38,10 @@ import torch
 
 from conftest import TINY_PROMPT, tiny_model_fixture, tokenize
 from test_oracle import assert_kv_path_rows_are_independent
-import make_tiny_models as mtm
-import tiny_qwen35
-
-from ridgefill_cpp.capture import capture_layer_inputs, open_model
-from ridgefill_cpp.gguf_model import read_metadata, read_tensors
+from ridgefill_cpp.testing import tiny_models as mtm
+from ridgefill_cpp.testing import tiny_qwen35
+from ridgefill_cpp.fitting.capture import capture_layer_inputs, open_model
+from ridgefill_cpp.core.gguf_model import read_metadata, read_tensors
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.qwen35 import (
     GDNState,
@@ -210,7 +209,7 @@ def test_tiny_qwen35_deterministic_and_validated(tmp_path):
     ta, tb, tc = read_tensors(a), read_tensors(b), read_tensors(c)
     assert all(np.array_equal(ta[k], tb[k]) for k in ta)
     assert not np.array_equal(ta["blk.0.attn_qkv.weight"], tc["blk.0.attn_qkv.weight"])
-    # through make_tiny_models, the same content
+    # through tiny_models, the same content
     d = mtm.make_tiny_model("qwen35", tmp_path / "d.gguf", seed=5)
     assert all(np.array_equal(ta[k], v) for k, v in read_tensors(d).items())
     with pytest.raises(TypeError, match="unknown tiny-model option"):

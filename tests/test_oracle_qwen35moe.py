@@ -1,6 +1,6 @@
 """The qwen35moe (Qwen3.5 MoE hybrid) torch oracle against llama.cpp, on the tiny qwen35moe model.
 
-The tiny model (tools/tiny_qwen35.py, ``build_qwen35moe``): qwen35's 6 layers (GDN at 0, 1, 3, 4,
+The tiny model (ridgefill_cpp/testing/tiny_qwen35.py, ``build_qwen35moe``): qwen35's 6 layers (GDN at 0, 1, 3, 4,
 gated full attention at 2 and 5; 2 key / 4 value GDN heads; IMROPE sections) with the MoE FFN in
 every layer: 4 routed experts of width 32, 2 used, softmax routing with renormalised weights, and
 a shared expert of width 48 behind a sigmoid gate; no dense FFN, no feed_forward_length key.
@@ -46,12 +46,11 @@ from conftest import tiny_model_fixture
 from test_oracle import assert_kv_path_rows_are_independent
 from test_oracle_qwen35 import _assert_close, _errors, _print, llama_recurrent_states
 from test_oracle_qwen35 import ref64, tokens  # noqa: F401  (fixtures: TINY_PROMPT's tokens, on this module's model and oracle64)
-import make_tiny_models as mtm
-import tiny_qwen35
-
-from ridgefill_cpp import gguf_model
-from ridgefill_cpp.capture import capture_layer_inputs
-from ridgefill_cpp.gguf_model import read_metadata, read_model_info, read_tensors
+from ridgefill_cpp.testing import tiny_models as mtm
+from ridgefill_cpp.testing import tiny_qwen35
+from ridgefill_cpp.core import gguf_model
+from ridgefill_cpp.fitting.capture import capture_layer_inputs
+from ridgefill_cpp.core.gguf_model import read_metadata, read_model_info, read_tensors
 from ridgefill_cpp.oracle import load_oracle, oracle_class
 from ridgefill_cpp.oracle.fill import ROLE_FILLED, fill_forward, select_attention_rows
 from ridgefill_cpp.oracle.qwen35 import Qwen35Oracle

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ridgefill_cpp.capture import capture_layer_inputs
+from ridgefill_cpp.fitting.capture import capture_layer_inputs
 from ridgefill_cpp.oracle import load_oracle
 
 # public-domain text (the US Declaration of Independence, 1776), enough for ~150 tokens
@@ -29,7 +29,7 @@ TEXT = (
 
 
 def _prompt_tokens(path) -> list[int]:
-    from ridgefill_cpp.capture import open_model
+    from ridgefill_cpp.fitting.capture import open_model
 
     llm = open_model(path, n_ctx=512, n_batch=512)
     try:
@@ -76,13 +76,13 @@ def test_oracle_matches_llama_cpp_on_gemma3(gemma3_path, record_property):
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def f32_copy(request, tmp_path_factory):
-    from ridgefill_cpp.gguf_copy import dequantize_gguf
+    from ridgefill_cpp.maps.gguf_copy import dequantize_gguf
 
-    from ridgefill_cpp import models
+    from ridgefill_cpp.core import models
 
     import shutil
 
-    from ridgefill_cpp.gguf_model import read_model_info
+    from ridgefill_cpp.core.gguf_model import read_model_info
 
     src = models.available(request.param)
     if src is None:

@@ -3,7 +3,7 @@ with mixture-of-experts FFNs) in libllama against the reference of docs/design.m
 (``ridgefill_cpp.oracle.fill``) on the same GGUF weights; every test runs on both.
 
 There is no real hybrid GGUF in the package registry: the tiny random-weight models of
-``tools/tiny_qwen35.py`` (6 layers: Gated DeltaNet 0, 1, 3, 4 and gated full attention 2, 5) is the
+``ridgefill_cpp/testing/tiny_qwen35.py`` (6 layers: Gated DeltaNet 0, 1, 3, 4 and gated full attention 2, 5) is the
 test bed. At split 3 the late layers are GDN 3 (fills from x_S), GDN 4 (fills from the map's x̂) and
 attention 5. A late GDN layer runs every prompt row in position order, in chunks of n_ubatch that
 start anew at the tail: filled rows feed only the state update, exact rows the whole layer.
@@ -26,10 +26,11 @@ from conftest import evaluation_tokens
 import ridgefill_cpp  # noqa: F401  (first: llama_cpp then loads the patched libraries)
 import llama_cpp  # noqa: E402
 from prefill_helpers import assert_degenerate_plans_are_stock, captured_log, ctx_kwargs, last_logits, late_graph_count, rel
-from ridgefill_cpp import Llama, RidgeFill, corpus
-from ridgefill_cpp import _native as N
-from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-from ridgefill_cpp.mapfile import read_map_file, write_map_file
+from ridgefill_cpp import Llama, RidgeFill
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.core import native as N
+from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.maps.mapfile import read_map_file, write_map_file
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.fill import (attention_scores, default_selector_layer, fill_forward, is_full_attention,
                                       probe_fill_forward, select_exact_rows)
@@ -170,7 +171,7 @@ def test_a_recurrent_last_layer(fraction, arch, prompt, tmp_path):
     """A hybrid whose last layer is a GDN layer (Qwen3.5's last layer is attention; the code reads the
     pattern from the model): chunks of filled rows only have no outputs, the tail's chunk gives the
     logits; identity fill at S = 3 (layers 3, 4, 5 recurrent late layers) against the oracle."""
-    import make_tiny_models as mtm
+    from ridgefill_cpp.testing import tiny_models as mtm
 
     model = mtm.make_tiny_model(arch, tmp_path / "last-recurrent.gguf", seed=0,
                                 recurrent_layers=(True, True, False, True, False, True))
@@ -211,7 +212,7 @@ def test_filled_rows_change_the_state(model, oracle, prompt, map_file):
 def test_state_correction_matches_the_oracle(n_ubatch, model, oracle, prompt, map_file, tmp_path):
     """state_correction="gain": the first tail chunk of each mapped GDN layer starts from its boundary
     state times the map file's per-head gains, as the oracle's fill_forward(state_gains=)."""
-    from ridgefill_cpp.state_gains import add_state_gains
+    from ridgefill_cpp.fitting.state_gains import add_state_gains
 
     gains = {4: np.array([0.7, 0.85, 1.1, 1.3], dtype=np.float32)}
     path = add_state_gains(map_file, gains, tmp_path / "gains.ridgefill.gguf")

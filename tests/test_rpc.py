@@ -21,12 +21,13 @@ from test_mapfile import _maps
 import ridgefill_cpp
 import llama_cpp  # noqa: E402  (after ridgefill_cpp: the patched libraries)
 from ridgefill_cpp import Llama, RidgeFill
-from ridgefill_cpp.fingerprint import model_fingerprint
-from ridgefill_cpp.gguf_model import read_model_info
-from ridgefill_cpp.mapfile import write_map_file
-from ridgefill_cpp.rpc import RpcServerLost, Worker, default_params_edited, server_list, worker_binary
+from ridgefill_cpp.maps.fingerprint import model_fingerprint
+from ridgefill_cpp.core.gguf_model import read_model_info
+from ridgefill_cpp.maps.mapfile import write_map_file
+from ridgefill_cpp.testing import tiny_models as mtm
+from ridgefill_cpp.runtime.rpc import RpcServerLost, Worker, default_params_edited, server_list, worker_binary
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen2", "mistral3", "qwen3moe", "gpt-oss", "qwen35moe")
+ARCHS = mtm.ARCHS  # every supported architecture
 N_PROMPT = 300
 KW = ctx_kwargs(n_ctx=512, n_batch=128, n_ubatch=64)
 
@@ -272,7 +273,7 @@ def test_server_over_workers_matches_library(tiny_models, workers, tmp_path):
     serves what the library gives locally, RidgeFill and ``"ridgefill": false`` alike."""
     from test_serve_ridgefill import TINY_RF, _assert_same, _complete, _library, _prompt
 
-    from ridgefill_cpp.serve import Server
+    from ridgefill_cpp.server.serve import Server
 
     model = tiny_models["llama"]
     prompt = _prompt(model, 300)
@@ -293,7 +294,7 @@ def test_server_survives_a_lost_worker(tiny_models, tmp_path):
     server stays up (``/health``)."""
     from test_serve_ridgefill import TINY_RF, _get, _post, _prompt
 
-    from ridgefill_cpp.serve import Server
+    from ridgefill_cpp.server.serve import Server
 
     model = tiny_models["llama"]
     prompt = _prompt(model, 300)
@@ -321,7 +322,7 @@ def test_cli_rpc_server_is_a_worker(tiny_models, tokens, tmp_path):
     import subprocess
     import time
 
-    from ridgefill_cpp.processes import free_port
+    from ridgefill_cpp.core.processes import free_port
 
     exe = shutil.which("ridgefill-gguf", path=str(Path(sys.executable).parent))
     port = free_port("127.0.0.1")
@@ -358,7 +359,7 @@ def test_fill_sends_x_s_once_per_device(tiny_models, tokens, tmp_path):
     cross once a plan (not once a late layer, and never the whole n_ctx-row buffer). Bytes the worker
     holding the split layer sends back per prefill, counted by a proxy: RidgeFill's exceed stock's by
     about one N x n_embd float copy."""
-    from measure_rpc import CountingProxy
+    from rpc_cpu import CountingProxy
 
     path = tiny_models["llama"]
     info = read_model_info(path)

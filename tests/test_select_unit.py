@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ridgefill_cpp.core.settings import SELECTORS  # the names and their C values (checked against libllama's)
 from ridgefill_cpp.oracle import fill as F
 
 REPO = Path(__file__).resolve().parent.parent
 
-SELECTORS = {"none": 0, "attention": 1, "probe": 2, "protected": 3, "attention+protected": 4}
 ALL_CLASSES = F.CLASS_DIGIT | F.CLASS_RARE | F.CLASS_LINE_START | F.CLASS_SINK
 
 DRIVER = r"""

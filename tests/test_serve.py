@@ -1,4 +1,4 @@
-"""``ridgefill-gguf serve`` and :mod:`ridgefill_cpp.serve`: the patched llama-server started on a free
+"""``ridgefill-gguf serve`` and :mod:`ridgefill_cpp.server.serve`: the patched llama-server started on a free
 loopback port with the tiny llama model (and SmolLM2), driven by the official ``openai`` client and
 raw HTTP; its command line (the RidgeFill flags) as a pure function; argument errors before any
 process starts; clean shutdown with no process left, from Python and from the CLI on SIGTERM/SIGINT.
@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 
 import ridgefill_cpp
-from ridgefill_cpp import RidgeFill, processes, serve
-from ridgefill_cpp.fingerprint import model_fingerprint
-from ridgefill_cpp.mapfile import write_map_file, write_tuned_defaults
-from ridgefill_cpp.serve import Server, ServerError, check_ridgefill, server_args, server_binary
+from ridgefill_cpp import RidgeFill
+from ridgefill_cpp.core import processes
+from ridgefill_cpp.server import serve
+from ridgefill_cpp.maps.fingerprint import model_fingerprint
+from ridgefill_cpp.maps.mapfile import write_map_file, write_tuned_defaults
+from ridgefill_cpp.server.serve import Server, ServerError, check_ridgefill, server_args, server_binary
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the process checks read /proc", allow_module_level=True)
@@ -204,7 +206,7 @@ def test_server_args_stock_identity_and_maps(tiny_models, maps):
 def test_api_keys_go_to_the_environment_never_the_command_line(tmp_path):
     """llama-server reads --api-key from LLAMA_API_KEY: serve's key and any --api-key after -- go there
     (after a key the environment already holds), comma-separated as --api-key takes several."""
-    from ridgefill_cpp.serve import API_KEY_ENV, server_env
+    from ridgefill_cpp.server.serve import API_KEY_ENV, server_env
 
     assert API_KEY_ENV == "LLAMA_API_KEY"
     base = {"PATH": "/bin"}
@@ -217,7 +219,7 @@ def test_api_keys_go_to_the_environment_never_the_command_line(tmp_path):
         with pytest.raises(ValueError, match=message):
             server_env(api_key, extra, base)
     # a key file for llama-server's --api-key-file: checked the way llama-server reads it
-    from ridgefill_cpp.serve import check_api_key_file
+    from ridgefill_cpp.server.serve import check_api_key_file
 
     keys = tmp_path / "keys"
     keys.write_text("# comment\nk1\n")
@@ -267,9 +269,9 @@ def test_server_args_refusals(tiny_models, maps):
 
 def test_settings_are_checked_against_the_model_before_anything_starts(tiny_models, maps, tmp_path, monkeypatch,
                                                                         unsupported_model):
-    import make_tiny_models as mtm
+    from ridgefill_cpp.testing import tiny_models as mtm
 
-    from ridgefill_cpp.mapfile import MapFileError
+    from ridgefill_cpp.maps.mapfile import MapFileError
 
     monkeypatch.setattr(processes, "popen", _no_process)
     tiny = tiny_models["llama"]
@@ -560,7 +562,7 @@ def test_cli_help_lists_every_option(cli):
 
 
 def test_cli_argument_errors_start_nothing(cli, tiny_models, maps, tmp_path, monkeypatch):
-    import make_tiny_models as mtm
+    from ridgefill_cpp.testing import tiny_models as mtm
 
     monkeypatch.setattr(processes, "popen", _no_process)
     tiny = tiny_models["llama"]

@@ -26,7 +26,7 @@ import pytest
 
 from conftest import evaluation_tokens
 from ridgefill_cpp import Llama, RidgeFill  # before llama_cpp: the patched libraries
-from ridgefill_cpp.serve import Server
+from ridgefill_cpp.server.serve import Server
 from test_serve import no_proxy  # noqa: F401  (autouse: loopback requests never go through a proxy)
 
 HTTP_TIMEOUT = 120
@@ -73,7 +73,7 @@ def _first_probs(res: dict) -> dict[int, float]:
 
 def _library(model: Path, prompt: list[int], rf: RidgeFill | None, n: int = 6) -> tuple[dict[int, float], list[int], dict]:
     """First-token top-5 probabilities, greedy tokens and statistics of the library path."""
-    from ridgefill_cpp.bench import greedy_continuation, last_logits
+    from ridgefill_cpp.quality.bench import greedy_continuation, last_logits
 
     llm = Llama(str(model), n_ctx=2048, n_batch=256, n_ubatch=64, n_threads=1, n_threads_batch=1, flash_attn=False,
                 type_k=F32, type_v=F32, verbose=False, ridgefill=rf, swa_full=True)
@@ -116,7 +116,7 @@ def _prompt(model: Path, n: int, shift: int = 0) -> list[int]:
 
 
 def _long_tokens(model: Path, n: int) -> list[int]:
-    from ridgefill_cpp.bench import prompt_tokens
+    from ridgefill_cpp.quality.bench import prompt_tokens
 
     llm = Llama(str(model), vocab_only=True, verbose=False)
     try:
@@ -410,12 +410,12 @@ def test_a_server_without_ridgefill_accepts_only_false(tiny_models, tmp_path):
 
 
 def test_bad_maps_or_settings_stop_the_server_with_a_message(tiny_models, tmp_path):
-    from ridgefill_cpp.serve import ServerError
+    from ridgefill_cpp.server.serve import ServerError
 
     # a map file of another model: the Python side refuses before starting; the binary itself too
     import subprocess
 
-    from ridgefill_cpp.serve import server_binary
+    from ridgefill_cpp.server.serve import server_binary
 
     other = tiny_models["qwen3"]
     proc = subprocess.run([str(server_binary()), "-m", str(tiny_models["llama"]), "--host", "127.0.0.1", "--port", "0",
@@ -434,9 +434,9 @@ def test_bad_maps_or_settings_stop_the_server_with_a_message(tiny_models, tmp_pa
 def test_gemma3_ridge_maps_sliding_window_layers_and_no_checkpoints(tiny_models, tmp_path):
     """gemma3 (sliding-window layers, the server turns on --swa-full) with ridge maps fitted on its own
     hidden states: the server equals the library; no context checkpoint is taken."""
-    from ridgefill_cpp import corpus
-    from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-    from ridgefill_cpp.mapfile import write_map_file
+    from ridgefill_cpp.fitting import corpus
+    from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+    from ridgefill_cpp.maps.mapfile import write_map_file
 
     model = tiny_models["gemma3"]
     fit = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=3000, ctx=128, split=4, n_threads=1))
@@ -456,9 +456,9 @@ def test_qwen35_hybrid_through_the_server_equals_the_library(tiny_models, tmp_pa
     """The Gated DeltaNet hybrid (tiny qwen35) with ridge maps, one slot: RidgeFill requests equal the
     library path and exact requests equal stock, prompt after prompt in the same recurrent cell.
     (Prompts whose first generated token is a complete character: see _first_probs.)"""
-    from ridgefill_cpp import corpus
-    from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-    from ridgefill_cpp.mapfile import write_map_file
+    from ridgefill_cpp.fitting import corpus
+    from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+    from ridgefill_cpp.maps.mapfile import write_map_file
 
     model = tiny_models["qwen35"]
     fit = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=3000, ctx=128, split=3, n_threads=1))
@@ -592,12 +592,12 @@ def test_gemma3_270m_through_the_server_equals_the_library(gemma3_path, tmp_path
 
 
 def test_measure_server_tool_runs_end_to_end(tiny_models, tmp_path):
-    """tools/measure_server.py (the TTFT figures of the README) on the tiny model: both variants timed
+    """tools/measure/serve_smollm2.py (the TTFT figures of the README) on the tiny model: both variants timed
     in one server, the plan applied, the concurrency and streaming figures present."""
     import subprocess
     import sys
 
-    tool = Path(__file__).resolve().parents[1] / "tools" / "measure_server.py"
+    tool = Path(__file__).resolve().parents[1] / "tools" / "measure" / "serve_smollm2.py"
     out = tmp_path / "server.json"
     run = subprocess.run([sys.executable, str(tool), str(tiny_models["llama"]), "--split", "3", "--n-prompt", "300",
                           "--repeats", "2", "--clients", "2", "--threads", "1", "--min-prompt", "64",
@@ -871,9 +871,9 @@ def test_one_map_file_runs_one_operating_point_everywhere(tiny_models, tmp_path)
 
     import llama_cpp
 
-    import ridgefill_cpp._native as N
-    from ridgefill_cpp.fingerprint import model_fingerprint
-    from ridgefill_cpp.mapfile import write_map_file, write_tuned_defaults
+    import ridgefill_cpp.core.native as N
+    from ridgefill_cpp.maps.fingerprint import model_fingerprint
+    from ridgefill_cpp.maps.mapfile import write_map_file, write_tuned_defaults
     from test_mapfile import _maps
 
     model = tiny_models["llama"]
@@ -934,6 +934,6 @@ def test_one_map_file_runs_one_operating_point_everywhere(tiny_models, tmp_path)
 
 
 def settings_name(selector: int) -> str:
-    from ridgefill_cpp import settings
+    from ridgefill_cpp.core import settings
 
     return settings.selector_name(selector)

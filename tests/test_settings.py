@@ -1,4 +1,4 @@
-"""The settings vocabulary (ridgefill_cpp.settings) against the C header, its grammar and checks, and
+"""The settings vocabulary (ridgefill_cpp.core.settings) against the C header, its grammar and checks, and
 the plan driver of the Python class: ``Llama.prefill``, ``Llama.set_ridgefill``."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from conftest import evaluation_tokens
 from prefill_helpers import ctx_kwargs, last_logits
 
 import llama_cpp  # noqa: E402  (after ridgefill_cpp, which prefill_helpers imports first)
-from ridgefill_cpp import Llama, RidgeFill, settings
+from ridgefill_cpp import Llama, RidgeFill
+from ridgefill_cpp.core import settings
 from ridgefill_cpp.oracle import fill as F
 
 HEADER = Path(__file__).resolve().parent.parent / "csrc" / "llama-ridgefill.h"
@@ -68,7 +69,7 @@ def test_resolve_tunable_is_libllamas_resolution(tmp_path):
     (llama_ridgefill_resolve_params), with the fields the file gave reported."""
     import gguf
 
-    from ridgefill_cpp.mapfile import TUNED_PREFIX, rewrite_map_file, write_map_file
+    from ridgefill_cpp.maps.mapfile import TUNED_PREFIX, rewrite_map_file, write_map_file
     from test_mapfile import _maps
 
     synthetic_maps = write_map_file(tmp_path / "maps.gguf", _maps(n_embd=64, split=3, n_layer=6), dtype="f32")

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import evaluation_tokens
-from ridgefill_cpp import corpus, mapfile
-from ridgefill_cpp.fit import FitError, FitOptions, fit_ridge_maps
-from ridgefill_cpp.mapfile import MapFileError, MapFileMeta, RidgeMaps, read_map_file, write_map_file
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.maps import mapfile
+from ridgefill_cpp.fitting.fit import FitError, FitOptions, fit_ridge_maps
+from ridgefill_cpp.maps.mapfile import MapFileError, MapFileMeta, RidgeMaps, read_map_file, write_map_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,7 +78,7 @@ def test_bad_gains_are_refused_on_write_and_on_read(tmp_path, monkeypatch, gains
 def test_tuned_defaults_and_add_state_gains_keep_each_other(tmp_path):
     import gguf
 
-    from ridgefill_cpp.state_gains import add_state_gains
+    from ridgefill_cpp.fitting.state_gains import add_state_gains
 
     g = np.array([0.5, 0.8], dtype=np.float32)
     p = write_map_file(tmp_path / "m.gguf", _maps({4: g}), dtype="f16")
@@ -117,7 +118,7 @@ SETTINGS = {"tail": 12, "exact_fraction": 0.1, "selector": "probe", "value_resca
 def test_gain_settings_round_trip_through_add_state_gains(tmp_path):
     import gguf
 
-    from ridgefill_cpp.state_gains import add_state_gains
+    from ridgefill_cpp.fitting.state_gains import add_state_gains
 
     g = np.array([0.5, 0.8], dtype=np.float32)
     p = write_map_file(tmp_path / "m.gguf", _maps({4: g}))
@@ -183,7 +184,7 @@ def test_ill_typed_or_unknown_gain_settings_are_refused_on_read(tmp_path):
 
 
 def test_info_shows_the_gain_settings(cli, tmp_path):
-    from ridgefill_cpp.state_gains import add_state_gains
+    from ridgefill_cpp.fitting.state_gains import add_state_gains
 
     g = np.array([0.5, 0.8], dtype=np.float32)
     p = write_map_file(tmp_path / "m.gguf", _maps({4: g}))
@@ -241,7 +242,7 @@ def test_gain_tensors_that_are_not_f32_are_refused(tmp_path, dtype):
 @pytest.fixture(scope="module")
 def qwen35(tiny_models, tmp_path_factory):
     """(model, F32 map file at S = 3, calibration windows of CTX rows)."""
-    from ridgefill_cpp.state_gains import calibration_windows
+    from ridgefill_cpp.fitting.state_gains import calibration_windows
 
     model = tiny_models["qwen35"]
     res = fit_ridge_maps(model, corpus.default_documents("calibration"),
@@ -257,14 +258,14 @@ def qwen35(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gains(qwen35):
-    from ridgefill_cpp.state_gains import fit_state_gains
+    from ridgefill_cpp.fitting.state_gains import fit_state_gains
 
     model, path, windows = qwen35
     return fit_state_gains(model, path, windows, tail=TAIL, fraction=FRACTION, n_threads=1)
 
 
 def test_gains_for_the_mapped_recurrent_layer_only(qwen35, gains):
-    from ridgefill_cpp.state_gains import ssm_shape
+    from ridgefill_cpp.fitting.state_gains import ssm_shape
 
     n_v, s_v = ssm_shape(qwen35[0])
     assert set(gains) == {4}
@@ -276,7 +277,7 @@ def test_gains_for_the_mapped_recurrent_layer_only(qwen35, gains):
 
 
 def test_gains_are_the_least_squares_gains_of_the_readouts(qwen35):
-    from ridgefill_cpp.state_gains import boundary_states, fit_state_gains
+    from ridgefill_cpp.fitting.state_gains import boundary_states, fit_state_gains
 
     model, path, windows = qwen35
     pairs = {}
@@ -320,7 +321,7 @@ def test_gains_agree_with_the_oracle(qwen35, gains):
 
 
 def test_unusable_input_is_refused_clearly(qwen35, tiny_models, tmp_path):
-    from ridgefill_cpp.state_gains import fit_state_gains
+    from ridgefill_cpp.fitting.state_gains import fit_state_gains
 
     model, path, windows = qwen35
     with pytest.raises(FitError, match="no calibration windows"):
@@ -339,8 +340,8 @@ def test_unusable_input_is_refused_clearly(qwen35, tiny_models, tmp_path):
 
 
 def test_cli_fit_state_gains_then_prefill_with_them(cli, tiny_models, tmp_path):
-    from ridgefill_cpp.bench import last_logits as logits_of
-    from ridgefill_cpp.prefill import Llama, RidgeFill
+    from ridgefill_cpp.quality.bench import last_logits as logits_of
+    from ridgefill_cpp.runtime.prefill import Llama, RidgeFill
 
     model = tmp_path / "q.gguf"
     shutil.copy(tiny_models["qwen35"], model)
@@ -369,7 +370,7 @@ def test_cli_fit_state_gains_then_prefill_with_them(cli, tiny_models, tmp_path):
     assert "fitted at T = 64, exact fraction 0.1, selector attention, value rescale 512" in " ".join(res.output.split())
     assert "fit --state-gains" in cli("info", tmp_path / "plain.gguf").output
     # gains that do not fit the model: info --model says why
-    from ridgefill_cpp.state_gains import add_state_gains
+    from ridgefill_cpp.fitting.state_gains import add_state_gains
 
     for gains, message in (({4: np.ones(3)}, "3 per layer, the model has 4 value heads"),
                            ({4: np.ones(4), 5: np.ones(4)}, "mapped recurrent layers are [4]")):

@@ -1,4 +1,4 @@
-"""The tiny test models (tools/make_tiny_models.py): metadata as intended, llama.cpp loads, tokenizes
+"""The tiny test models (ridgefill_cpp/testing/tiny_models.py): metadata as intended, llama.cpp loads, tokenizes
 and runs them, the output is deterministic and written atomically."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import make_tiny_models as mtm
+from ridgefill_cpp.testing import tiny_models as mtm
 
-from ridgefill_cpp.gguf_model import read_metadata, read_tensors
+from ridgefill_cpp.core.gguf_model import read_metadata, read_tensors
 
 DENSE = ("llama", "qwen3", "gemma3")
 

@@ -17,14 +17,15 @@ import stat
 import pytest
 from conftest import evaluation_tokens
 
-import ridgefill_cpp._native as N
-from ridgefill_cpp import Llama, RidgeFill, corpus
-from ridgefill_cpp.fit import FitOptions, fit_ridge_maps
-from ridgefill_cpp.gguf_model import read_header, read_metadata
-from ridgefill_cpp.mapfile import (TUNED_PREFIX, MapFileError, compatibility_problems, read_map_file,
+import ridgefill_cpp.core.native as N
+from ridgefill_cpp import Llama, RidgeFill
+from ridgefill_cpp.fitting import corpus
+from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+from ridgefill_cpp.core.gguf_model import read_header, read_metadata
+from ridgefill_cpp.maps.mapfile import (TUNED_PREFIX, MapFileError, compatibility_problems, read_map_file,
                                    read_tuned_defaults, tuned_defaults_from_metadata, write_map_file,
                                    write_tuned_defaults)
-from ridgefill_cpp.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, check_key_rescales, check_spans,
+from ridgefill_cpp.quality.tune import (NoFeasibleSetting, TuneOptions, TunePoint, check_grid, check_key_rescales, check_spans,
                                 choose, is_feasible, pareto_front, tune, tune_markdown)
 
 # tails too short for the retrieval question: the retrieval check is off here, and on in its own tests
@@ -437,7 +438,7 @@ def test_check_spans():
 def test_a_setting_that_loses_a_code_is_not_feasible(tiny_models, fitted, tmp_path, monkeypatch):
     """The retrieval check decides: with exact prefill answering every prompt and every setting
     losing one, no setting is chosen however loose the budget, and the error says why."""
-    import ridgefill_cpp.tune as tune_mod
+    import ridgefill_cpp.quality.tune as tune_mod
 
     def retrieval(llm, tokenize, bos, texts, n, options, conditions, tick):
         k = len(options.depths)
@@ -504,8 +505,8 @@ def test_a_tuned_key_rescale_is_used_and_shown(tiny_models, fitted, cli, tmp_pat
     """A map file whose tuned point has a key rescale: Llama(ridgefill=path) measures the key scales,
     bench applies it to both fills, eval measures it as its variant, info shows it, and serve
     passes it to llama-server."""
-    from ridgefill_cpp.bench import benchmark_prefill
-    from ridgefill_cpp.serve import server_args
+    from ridgefill_cpp.quality.bench import benchmark_prefill
+    from ridgefill_cpp.server.serve import server_args
 
     (path,) = _copies(fitted, tmp_path, splits=(4,))
     write_tuned_defaults(path, {"tail": 16, "exact_fraction": 0.0, "selector": "attention", "key_rescale": 8})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from ridgefill_cpp.gguf_copy import dequantize_gguf
+from ridgefill_cpp.maps.gguf_copy import dequantize_gguf
 
 __all__ = ["dequantize_gguf"]
 

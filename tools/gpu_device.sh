@@ -2,11 +2,11 @@
 # The command of a GPU device lease (an H200, 15 minutes of device time): run from the repository
 # root on the device, with gpu-pack/ carried (tools/gpu_pack.sh made it on the CPU machine):
 #
-#   bash tools/gpu_device.sh [tools/gpu_run.py options, e.g. --shapes 8b-dense-32 --repeats 3]
+#   bash tools/gpu_device.sh [tools/measure/gpu_h200.py options, e.g. --shapes 8b-dense-32 --repeats 3]
 #
 # It installs the carried wheels into /tmp/site, unpacks the CUDA libraries into /tmp/rf-lib, points
 # ridgefill_cpp at them (RIDGEFILL_CPP_LIB_DIR) and at the device's own cuBLAS and CUDA runtime (the
-# nvidia-* Python packages), records the GPU, and runs tools/gpu_run.py with everything written to
+# nvidia-* Python packages), records the GPU, and runs tools/measure/gpu_h200.py with everything written to
 # $OUT (gpu-run.json, gpu-run.md, the log).
 set -euo pipefail
 out=${OUT:-/tmp/gpu-out}
@@ -32,5 +32,5 @@ export LD_LIBRARY_PATH="/tmp/rf-lib:${nvlibs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 export RIDGEFILL_CPP_LIB_DIR=/tmp/rf-lib PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia-smi.csv" || true
 echo "gpu-device: set up in $(( $(date +%s) - start )) s; libraries: $(ls /tmp/rf-lib | tr '\n' ' ')"
-python3 tools/gpu_run.py --out "$out" "$@" 2>&1 | tee "$out/gpu-run.log"
+python3 tools/measure/gpu_h200.py --out "$out" "$@" 2>&1 | tee "$out/gpu-run.log"
 echo "gpu-device: done in $(( $(date +%s) - start )) s"

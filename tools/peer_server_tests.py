@@ -124,7 +124,7 @@ def peer_python() -> Path:
 
 
 def default_model() -> Path:
-    from ridgefill_cpp import models
+    from ridgefill_cpp.core import models
 
     return Path(models.path())
 

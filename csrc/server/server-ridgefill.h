@@ -39,7 +39,7 @@ struct server_ridgefill_request {
     bool    backend_sampling = false;
 };
 
-// the selectors by name: none, attention, probe, protected, attention+protected; -1 when unknown
+// the selectors by name (libllama's: llama_ridgefill_selector_names); -1 when unknown
 int32_t      server_ridgefill_selector_from_name(const std::string & name);
 const char * server_ridgefill_selector_name(int32_t selector);
 

@@ -63,7 +63,7 @@ def load_oracle(path: os.PathLike | str, dtype: torch.dtype = torch.float32, **o
     `dtype` is the computation dtype (torch.float32 or torch.float64); `options` go to the
     oracle class (e.g. ``gelu_fp16_table=False`` for :class:`DenseOracle`).
     """
-    from ..gguf_model import read_metadata, read_tensors
+    from ..core.gguf_model import read_metadata, read_tensors
 
     metadata = read_metadata(path)
     arch = metadata.get("general.architecture")

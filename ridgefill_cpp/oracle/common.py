@@ -45,7 +45,7 @@ class Oracle(ABC):
     """An exact forward pass of one model, reading the weights of its GGUF file.
 
     Subclasses take ``(tensors, metadata, dtype=..., **options)``: `tensors` as
-    :func:`ridgefill_cpp.gguf_model.read_tensors` returns them (float32 numpy, matrices
+    :func:`ridgefill_cpp.core.gguf_model.read_tensors` returns them (float32 numpy, matrices
     ``[out_features, in_features]``), `metadata` as :func:`read_metadata` does.
     """
 
@@ -66,7 +66,7 @@ class Oracle(ABC):
     @classmethod
     def from_gguf(cls, path: os.PathLike | str, dtype: torch.dtype = torch.float32, **options: Any) -> "Oracle":
         """Read `path` (weights dequantized to float32) and build the oracle."""
-        from ..gguf_model import read_metadata, read_tensors
+        from ..core.gguf_model import read_metadata, read_tensors
 
         return cls(read_tensors(path), read_metadata(path), dtype=dtype, **options)
 

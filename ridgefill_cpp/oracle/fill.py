@@ -66,7 +66,7 @@ import torch
 from .common import Oracle
 
 if TYPE_CHECKING:
-    from ..mapfile import RidgeMaps
+    from ..maps.mapfile import RidgeMaps
     from .qwen35 import GDNState, GDNUpdate
 
 #: row roles (:attr:`FillOutput.roles`)

@@ -56,7 +56,7 @@ and around the layers: the embedding rows (no scale), then ``output_norm`` and t
   ``W_down[e] a + b_down[e]``; the FFN output is the weighted sum over the chosen experts.
   RidgeFill's filled rows never reach this block (they run only :meth:`kv_path`).
 
-Tensor layouts as :func:`~ridgefill_cpp.gguf_model.read_tensors` returns them (numpy order, the
+Tensor layouts as :func:`~ridgefill_cpp.core.gguf_model.read_tensors` returns them (numpy order, the
 reverse of ggml's ne): ``ffn_gate_inp.weight [E, n_embd]``, ``ffn_{gate,up}_exps.weight
 [E, n_ff_exp, n_embd]``, ``ffn_down_exps.weight [E, n_embd, n_ff_exp]``, biases ``[E, n]``.
 """

@@ -369,7 +369,7 @@ class Qwen35Oracle(Oracle):
         if isinstance(metadata, torch.dtype):  # Qwen35Oracle(path, torch.float64)
             dtype, metadata = metadata, None
         if isinstance(tensors, (str, os.PathLike)):
-            from ..gguf_model import read_metadata, read_tensors
+            from ..core.gguf_model import read_metadata, read_tensors
 
             self.path: str | None = str(tensors)
             metadata = read_metadata(tensors) if metadata is None else metadata

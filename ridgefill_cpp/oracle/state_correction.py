@@ -36,7 +36,7 @@ from .common import Oracle
 from .fill import DEFAULT_FRACTION, FillOutput, fill_forward, select_attention_rows
 
 if TYPE_CHECKING:
-    from ..mapfile import RidgeMaps
+    from ..maps.mapfile import RidgeMaps
 
 
 def late_gdn_layers(oracle: Oracle, split: int) -> list[int]:
