@@ -1,7 +1,7 @@
 // The fingerprint of a model GGUF file that map files record (ridgefill.model.fingerprint), so that
 // the map loader itself refuses maps fitted on another checkpoint, whichever program loads them.
 //
-// The definition is ridgefill_cpp/fingerprint.py's, byte for byte (the tests compare the two):
+// The definition is ridgefill_cpp/maps/fingerprint.py's, byte for byte (the tests compare the two):
 // SHA-256 over the architecture, the tensor layout (names, shapes in the file's own dimension
 // count, types, sizes) and a sample of the tensor bytes: 64 blocks of 4 KiB evenly spaced over the
 // tensor data, plus the first and last 4 KiB of every tensor of the embeddings, the output head and

@@ -44,7 +44,7 @@ def _files_module():
     """``ridgefill_cpp.core.files`` (the package's atomic write), loaded from the source tree by path: this
     script runs while the package is being built, before ``import ridgefill_cpp`` (which loads the
     native libraries) can work. The module needs only the standard library."""
-    spec = importlib.util.spec_from_file_location("_ridgefill_files", REPO / "ridgefill_cpp" / "files.py")
+    spec = importlib.util.spec_from_file_location("_ridgefill_files", REPO / "ridgefill_cpp" / "core" / "files.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

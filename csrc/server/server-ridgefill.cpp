@@ -327,7 +327,7 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     n_filled = st.n_filled;
     n_exact  = st.n_exact + st.n_tail;
 
-    // the keys of Llama.ridgefill_stats (ridgefill_cpp/settings.py), and what only the server knows
+    // the keys of Llama.ridgefill_stats (ridgefill_cpp/core/settings.py), and what only the server knows
     stats["applied"]        = true;
     stats["n_prompt"]       = st.n_prompt;
     stats["n_filled"]       = st.n_filled;
