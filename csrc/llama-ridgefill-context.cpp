@@ -137,9 +137,6 @@ std::string llama_ridgefill_context::check_context(const llama_context & lctx) {
         return format("recurrent-state rollback snapshots (n_rs_seq = %u) are not supported by RidgeFill prefill: "
                 "create the context with n_rs_seq = 0", cparams.n_rs_seq);
     }
-    if (caches.base->get_n_stream() != 1) {
-        return "RidgeFill prefill needs a single KV stream (kv_unified = true, or n_seq_max = 1)";
-    }
     if (caches.swa && caches.swa->get_size() < caches.base->get_size()) {
         return format("the sliding-window KV cache holds %u cells, fewer than the context (%u): filled and exact rows of "
                 "sliding-window layers need their cells kept; create the context with swa_full = true",

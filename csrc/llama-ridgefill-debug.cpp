@@ -77,6 +77,8 @@ int32_t llama_ridgefill_read_kv(
             return -1;
         }
         const int64_t row = t->ne[0]; // K / untransposed V: [n_embd_gqa, kv_size]; transposed V: [kv_size, n_embd_gqa]
+        // the sequence's KV stream (one per sequence without a unified cache): its block of the storage
+        const size_t base = (size_t) kv->get_stream(seq_id)*t->ne[0]*t->ne[1];
         for (int32_t i = 0; i < n; ++i) {
             const std::vector<int64_t> c = llama_ridgefill_find_cells(kv, seq_id, pos[i], 1);
             if (c[0] < 0) {
@@ -84,7 +86,7 @@ int32_t llama_ridgefill_read_kv(
                 return -1;
             }
             for (int64_t e = 0; e < n_embd_gqa; ++e) {
-                out[i*n_embd_gqa + e] = trans ? all[e*kv_size + c[0]] : all[c[0]*row + e];
+                out[i*n_embd_gqa + e] = trans ? all[base + e*kv_size + c[0]] : all[base + c[0]*row + e];
             }
         }
     }

@@ -63,6 +63,8 @@ public:
     ggml_tensor * f_pos       = nullptr;
     ggml_tensor * f_cells     = nullptr;
     ggml_tensor * f_cells_swa = nullptr;
+    ggml_tensor * f_vcells     = nullptr;
+    ggml_tensor * f_vcells_swa = nullptr;
     ggml_tensor * x_ids       = nullptr; // recurrent late layer: the exact rows among the graph's rows
     ggml_tensor * m_f_rows    = nullptr; // ... the xs rows of its filled rows
     ggml_tensor * m_perm      = nullptr; // ... and each row's place among concat(filled, exact)
@@ -138,12 +140,12 @@ static ggml_tensor * rf_used_rows(ggml_context * ctx0, ggml_tensor * buf, const 
 // writes v [n_embd_head, n_head, n] into the cells kidx [n] of a transposed V storage [n_embd_v, kv_size]
 // (element e of cell c at e*kv_size + c; one stream), as llama_kv_cache::cpy_v does with an index per
 // element: rows narrower than the storage are padded with zeros, as there
-static ggml_tensor * rf_cpy_v_trans(ggml_context * ctx0, ggml_tensor * v_store, ggml_tensor * v, ggml_tensor * kidx) {
+static ggml_tensor * rf_cpy_v_trans(ggml_context * ctx0, ggml_tensor * v_store, ggml_tensor * v, ggml_tensor * kidx, int32_t strm) {
     const int64_t n        = v->ne[2];
     const int64_t n_embd   = v->ne[0]*v->ne[1];
     const int64_t n_planes = v_store->ne[0];
     const int64_t kv_size  = v_store->ne[1];
-    GGML_ASSERT(ggml_nelements(v_store) == n_planes*kv_size && n_embd <= n_planes);
+    GGML_ASSERT(ggml_nelements(v_store) == n_planes*kv_size*v_store->ne[2] && n_embd <= n_planes && strm < v_store->ne[2]);
 
     ggml_tensor * cur = ggml_cont_2d(ctx0, v, n_embd, n);
     if (n_embd < n_planes) {
@@ -151,8 +153,9 @@ static ggml_tensor * rf_cpy_v_trans(ggml_context * ctx0, ggml_tensor * v_store, 
     }
     // [1, n, n_planes]: row i of plane e is element e of row i
     cur = ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, cur)), 1, n, n_planes);
+    // the planes of the sequence's stream (a cache with one stream per sequence holds n_stream blocks)
     ggml_tensor * planes = ggml_view_3d(ctx0, v_store, 1, kv_size, n_planes,
-            ggml_element_size(v_store), kv_size*ggml_element_size(v_store), 0);
+            ggml_element_size(v_store), kv_size*ggml_element_size(v_store), (size_t) strm*n_planes*kv_size*ggml_element_size(v_store));
     return ggml_set_rows(ctx0, planes, cur, kidx);
 }
 
@@ -420,7 +423,11 @@ static void rf_build_selector(
     q = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, q, d_k*n_q_h, q->ne[2]), ids);   // [d_k*n_head, n_sel]
     q = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q, d_k, n_q_h, n_sel), 0, 2, 1, 3); // [d_k, n_sel, n_head]
 
-    ggml_tensor * k = ggml_permute(ctx0, mctx->get_k(ctx0, il), 0, 2, 1, 3);        // [d_k, n_kv, n_head_kv]
+    // [d_k, n_head_kv, n_kv, n_stream]: a plan's rows are one sequence's, in one stream; only the
+    // reserve of a cache with a stream per sequence views them all, and the first stands for each
+    ggml_tensor * k_all = mctx->get_k(ctx0, il);
+    ggml_tensor * k = ggml_view_3d(ctx0, k_all, k_all->ne[0], k_all->ne[1], k_all->ne[2], k_all->nb[1], k_all->nb[2], 0);
+    k = ggml_permute(ctx0, k, 0, 2, 1, 3);                                           // [d_k, n_kv, n_head_kv]
     const int64_t n_kv = k->ne[1];
 
     ggml_tensor * kq = ggml_mul_mat(ctx0, k, q);                                     // [n_kv, n_sel, n_head]
@@ -540,6 +547,13 @@ static void rf_build_fill(
         const auto & data = swa ? fill.cells_swa : fill.cells;
         cells = inp->add(ctx0, data, swa ? "ridgefill_f_cells_swa" : "ridgefill_f_cells");
     }
+    // a transposed V cache addresses the cells within the stream's planes
+    ggml_tensor *& vcells = swa ? inp->f_vcells_swa : inp->f_vcells;
+    if (!vcells) {
+        const auto & data = swa ? fill.cells_v_swa : fill.cells_v;
+        vcells = data.empty() ? cells : inp->add(ctx0, data, swa ? "ridgefill_f_vcells_swa" : "ridgefill_f_vcells");
+    }
+    const int32_t strm = swa ? fill.strm_swa : fill.strm;
 
     // a transposed V cache (no flash attention) holds one plane of kv_size values per element of a
     // row: one set_rows writes a chunk's rows into every plane, its cell indices broadcast over the
@@ -554,6 +568,7 @@ static void rf_build_fill(
         ggml_tensor * rows = ggml_view_1d(ctx0, inp->f_rows, nc, i0*ggml_element_size(inp->f_rows));
         ggml_tensor * pos  = ggml_view_1d(ctx0, inp->f_pos,  nc*n_pos, i0*n_pos*ggml_element_size(inp->f_pos));
         ggml_tensor * kidx = ggml_view_1d(ctx0, cells,       nc, i0*ggml_element_size(cells));
+        ggml_tensor * vidx = ggml_view_1d(ctx0, vcells,      nc, i0*ggml_element_size(vcells));
 
         ggml_tensor * x = llama_ridgefill_build_xhat(ctx0, rf->maps, il, ggml_get_rows(ctx0, rf->xs_at(il), rows), &w);
 
@@ -578,7 +593,7 @@ static void rf_build_fill(
             ggml_build_forward_expand(g.gf, mctx->cpy_k(ctx0, k, kidx, il));
         }
         if (!(fill.splice & LLAMA_RIDGEFILL_SPLICE_V)) {
-            ggml_build_forward_expand(g.gf, v_trans ? rf_cpy_v_trans(ctx0, v_trans, v, kidx)
+            ggml_build_forward_expand(g.gf, v_trans ? rf_cpy_v_trans(ctx0, v_trans, v, vidx, strm)
                                                     : mctx->cpy_v(ctx0, v, kidx, il));
         }
     }

@@ -39,10 +39,16 @@ struct llama_ridgefill_fill {
     std::vector<int32_t> rows;      // [|F|] xs row of each filled row
     std::vector<int32_t> pos;       // [|F|] position of each filled row (M-RoPE: [4 |F|], each fill
                                     //   step's rows section-major)
-    std::vector<int64_t> cells;     // [|F|] cell of each filled row in the full-attention cache
+    std::vector<int64_t> cells;     // [|F|] row of each filled row in the full-attention cache's storage:
+                                    //   its cell, plus the sequence's stream times kv_size (as
+                                    //   llama_kv_cache::set_input_k_idxs addresses several streams)
     std::vector<int64_t> cells_swa; // [|F|] ... in the sliding-window cache (iSWA models)
     std::vector<ggml_tensor *> v_trans; // [n_layer] a transposed V cache (no flash attention): the V
                                         //   storage of each late attention layer; empty otherwise
+    int32_t strm     = 0;           // the sequence's KV stream in the full-attention cache
+    int32_t strm_swa = 0;           // ... in the sliding-window cache
+    std::vector<int64_t> cells_v;   // a transposed V cache and a stream other than 0: the cells
+    std::vector<int64_t> cells_v_swa; //   themselves (the stream's V planes are viewed); empty otherwise
     int32_t n_chunk = 512;          // filled rows per fill step
     int32_t splice  = 0;            // enum llama_ridgefill_splice: keep the cells' K and/or V
 };

@@ -36,6 +36,22 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
     ps.xi.assign(ps.N, -1);
 
     llama_ridgefill_fill & f = ps.fill;
+    if (caches.base->get_v_trans()) {
+        // a transposed V cache is written plane by plane (llama_ridgefill_build_fill)
+        f.v_trans.assign(n_layer, nullptr);
+        for (int32_t il = params.split_layer; il < n_layer; ++il) {
+            if (!hparams.is_recr(il)) {
+                const llama_kv_cache * kv = caches.swa && hparams.is_swa(il) ? caches.swa : caches.base;
+                f.v_trans[il] = kv->get_v_storage(il);
+            }
+        }
+    }
+    // the sequence's stream in each cache: a filled row's K and V go to its cell of that stream
+    f.strm     = (int32_t) caches.base->get_stream(seq_id);
+    f.strm_swa = caches.swa ? (int32_t) caches.swa->get_stream(seq_id) : 0;
+    const int64_t offs     = (int64_t) f.strm*caches.base->get_size();
+    const int64_t offs_swa = caches.swa ? (int64_t) f.strm_swa*caches.swa->get_size() : 0;
+    const bool    local_v  = !f.v_trans.empty() && (offs != 0 || offs_swa != 0);
     for (int32_t j = 0; j < ps.N; ++j) {
         if (is_exact[j]) {
             ps.xi[j] = (int32_t) ps.X.size();
@@ -43,9 +59,15 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
         } else {
             f.rows .push_back(j);
             f.pos  .push_back(pos0 + j);
-            f.cells.push_back(ps.cells[j]);
+            f.cells.push_back(ps.cells[j] + offs);
+            if (local_v) {
+                f.cells_v.push_back(ps.cells[j]);
+            }
             if (!ps.cells_swa.empty()) {
-                f.cells_swa.push_back(ps.cells_swa[j]);
+                f.cells_swa.push_back(ps.cells_swa[j] + offs_swa);
+                if (local_v) {
+                    f.cells_v_swa.push_back(ps.cells_swa[j]);
+                }
             }
         }
     }
@@ -63,16 +85,6 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
             llama_ridgefill_text_positions(f.pos.data() + i0, std::min(f.n_chunk, n_f - i0), n_pos, sections.data() + (size_t) i0*n_pos);
         }
         f.pos = std::move(sections);
-    }
-    if (caches.base->get_v_trans()) {
-        // a transposed V cache is written plane by plane (llama_ridgefill_build_fill)
-        f.v_trans.assign(n_layer, nullptr);
-        for (int32_t il = params.split_layer; il < n_layer; ++il) {
-            if (!hparams.is_recr(il)) {
-                const llama_kv_cache * kv = caches.swa && hparams.is_swa(il) ? caches.swa : caches.base;
-                f.v_trans[il] = kv->get_v_storage(il);
-            }
-        }
     }
     return ps;
 }

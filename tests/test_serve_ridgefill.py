@@ -262,6 +262,9 @@ def test_prompt_cache_never_serves_approximate_rows_to_an_exact_request(tiny, ti
     model = tiny_models["llama"]
     a = _prompt(model, 700, shift=3)
     slot = {"id_slot": 2, "cache_prompt": True}
+    # the slot starts from an exact prompt sharing only the BOS row (whatever earlier tests left in it:
+    # with a KV stream per slot, a BOS row an earlier planned prompt filled would stay approximate)
+    _complete(tiny, _prompt(model, 20, shift=600), ridgefill=False, **slot)
     # a RidgeFill prompt: its rows from the first new one on are approximate at the late layers
     res = _complete(tiny, a[:420], **slot)
     assert res["ridgefill"]["applied"]
@@ -647,12 +650,11 @@ def _concurrently(srv: Server, prompts: list[list[int]], n: int) -> list[tuple[i
 SHARE_ARGS = ["-c", "512", "-np", "2", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "--no-warmup"]
 
 
-def test_slots_keep_their_stock_share_of_the_unified_cache(tiny_models, tmp_path):
-    """RidgeFill runs on a unified KV cache, but each slot keeps the cells it has on a stock server
-    with the same flags (-c 512 -np 2: 256 each): prompts that exceed the share are refused at
-    once with stock's 400, prompts that fit are served, also when the two together would not fit
-    one slot's share; never a 500 after compute (before: both of two such requests could fail with
-    'Context size has been exceeded')."""
+def test_slots_have_their_own_kv_streams_as_on_stock(tiny_models, tmp_path):
+    """Each slot has its own KV stream of the cells it has on a stock server with the same flags
+    (-c 512 -np 2: 256 each; no --kv-unified forced): prompts that exceed the share are refused at once
+    with stock's 400, prompts that fit are served, also when the two together would not fit one slot's
+    share; never a 500 after compute."""
     model = tiny_models["llama"]
     too_long = [_prompt(model, 300, shift=3), _prompt(model, 300, shift=40)]
     fitting = [_prompt(model, 200, shift=5 + 30 * i) for i in range(2)]
@@ -670,10 +672,33 @@ def test_slots_keep_their_stock_share_of_the_unified_cache(tiny_models, tmp_path
                     assert all(r["ridgefill"]["applied"] for _, r in res), res
             assert s.process.poll() is None and _get(s.url + "/health")[0] == 200
             if rf is not None:
-                assert "each of the 2 slots holds at most 256 of the 512 cells" in s.log()
+                assert "--kv-unified" not in s.log()
     assert seen["ridgefill"] == seen["stock"], seen
     assert seen["stock"]["n_ctx"] == [256, 256]
     assert seen["stock"]["too_long"] == [(400, "exceed_context_size_error")] * 2
+
+
+def test_a_pinned_slot_keeps_its_cache_while_another_slot_runs_a_planned_prompt(tiny_models, tmp_path):
+    """A client pinned to slot 0 keeps its cached prompt while slot 1 runs a planned prompt: its
+    follow-up processes only its new tokens, as on stock (before, with the unified cache the server
+    forced, slot 1's prompt could take slot 0's cells and the follow-up reprocessed everything)."""
+    model = tiny_models["llama"]
+    first, other = _prompt(model, 200, shift=11), _prompt(model, 300, shift=70)
+    follow = first + _prompt(model, 41, shift=400)[1:]
+    args = ["-c", "1024", "-np", "2", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "--no-warmup"]
+    seen = {}
+    for name, rf in (("stock", None), ("ridgefill", RidgeFill.identity(**TINY_RF))):
+        with Server(model, rf, extra_args=args, log_path=tmp_path / f"{name}.log", startup_timeout=60) as s:
+            res = [_complete(s, first, n=1, id_slot=0, cache_prompt=True),
+                   _complete(s, other, n=1, id_slot=1, cache_prompt=True),
+                   _complete(s, follow, n=1, id_slot=0, cache_prompt=True)]
+            seen[name] = [(r["timings"]["prompt_n"], r["timings"]["cache_n"]) for r in res]
+            if rf is not None:
+                assert res[0]["ridgefill"]["applied"] and res[1]["ridgefill"]["applied"]
+                slots = {sl["id"]: sl for sl in json.loads(_get(s.url + "/slots")[1])}
+                assert slots[0]["n_ctx"] == slots[1]["n_ctx"] == 512
+    assert seen["ridgefill"] == seen["stock"], seen
+    assert seen["stock"][2][1] >= len(first) - 1 and seen["stock"][2][0] <= len(follow) - len(first) + 1, seen
 
 
 def test_a_shared_pool_admits_prompts_when_their_rows_fit(tiny_models, tmp_path):

@@ -40,10 +40,6 @@ PEER_VENV = REPO / ".cache" / "peer-tests-venv"
 
 #: tests whose outcome may differ with RidgeFill, by name pattern, and why (docs/design.md §15)
 EXPECTED = {
-    r"::test_completion_with_tokens_input$": (
-        "the RidgeFill server turns on --kv-unified (one KV stream; issue #33): the suite's two identical "
-        "requests no longer share a cached prompt and give different text; stock llama-server with "
-        "--kv-unified fails it the same way (checked)"),
     r"::test_slot_(save|erase|restore)": (
         "a slot whose cache holds a RidgeFill prompt (approximate late-layer KV) is not saved: the server "
         "answers 'not supported' instead of writing a file that would not know which rows are approximate"),

@@ -165,12 +165,6 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
     return req;
 }
 
-int32_t server_ridgefill_stock_n_ctx(int32_t n_ctx, int32_t n_parallel) {
-    // llama_context's rounding of a cache split over n_parallel sequences (src/llama-context.cpp)
-    const int32_t n_seq = GGML_PAD(GGML_PAD(n_ctx, 256) / n_parallel, 256);
-    return n_seq * n_parallel;
-}
-
 server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
         const std::vector<server_ridgefill_slot_cells> & others) {
     int64_t n_busy   = 0;

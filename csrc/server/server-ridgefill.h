@@ -63,11 +63,8 @@ bool server_ridgefill_to_params(const common_params_ridgefill & params, llama_ri
 // configured, clears params and returns the line to log once; "" otherwise
 std::string server_ridgefill_disable_for_embeddings(common_params_ridgefill & params, bool embedding);
 
-// The KV cache of several slots. RidgeFill runs on one unified KV stream. Without --kv-unified
-// from the user, each slot keeps the cells it has on a stock server: the total n_ctx below, then
-// n_ctx / n_parallel per slot (--kv-unified-per-slot).
-int32_t server_ridgefill_stock_n_ctx(int32_t n_ctx, int32_t n_parallel);
-
+// The KV cache of several slots: as on stock llama-server. Without --kv-unified each slot has its own
+// KV stream of n_ctx / n_parallel cells, and a planned prompt fills and runs its slot's stream.
 // With --kv-unified from the user, the slots share all cells, and a prompt starts only when its
 // rows fit next to the rows the running slots hold and will still write.
 struct server_ridgefill_slot_cells {

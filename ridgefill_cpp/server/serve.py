@@ -218,7 +218,7 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
                 args += [flag, value]
         if rf.min_prompt != settings.MIN_PROMPT:
             args += ["--ridgefill-min-prompt", str(int(rf.min_prompt))]
-        # the patched server itself turns on --kv-unified and --swa-full when RidgeFill is on
+        # the patched server itself turns on --swa-full when RidgeFill is on
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty")
     return args + _split_api_keys(_check_extra(extra))[0]
