@@ -13,11 +13,8 @@ static std::string rf_selector_names() {
     return llama_ridgefill_selector_names();
 }
 
-int32_t server_ridgefill_selector_from_name(const std::string & name) {
-    return llama_ridgefill_selector_from_name(name.c_str());
-}
-
-const char * server_ridgefill_selector_name(int32_t selector) {
+// a selector's name for the log, /props and the statistics ("?": none)
+static const char * rf_selector_name(int32_t selector) {
     const char * name = llama_ridgefill_selector_name(selector);
     return name != nullptr ? name : "?";
 }
@@ -44,7 +41,7 @@ bool server_ridgefill_to_params(const common_params_ridgefill & params, llama_ri
     out.n_key_rescale  = params.n_key_rescale;
     out.min_prompt     = params.min_prompt;
     if (!params.selector.empty()) {
-        out.selector = server_ridgefill_selector_from_name(params.selector);
+        out.selector = llama_ridgefill_selector_from_name(params.selector.c_str());
         if (out.selector < 0) {
             error = "--ridgefill-selector " + params.selector + ": use one of " + rf_selector_names();
             return false;
@@ -66,7 +63,7 @@ common_json server_ridgefill_props(const common_params_ridgefill & params) {
     res["split"]          = params.split;
     res["tail"]           = p.n_tail;
     res["exact_fraction"] = p.exact_fraction;
-    res["selector"]       = server_ridgefill_selector_name(p.selector);
+    res["selector"]       = rf_selector_name(p.selector);
     res["span"]           = p.span;
     res["key_rescale"]    = p.n_key_rescale;
     res["min_prompt"]     = p.min_prompt;
@@ -139,7 +136,7 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
                 }
                 req.exact_fraction = val.get<double>();
             } else if (key == "selector") {
-                const int32_t sel = val.is_string() ? server_ridgefill_selector_from_name(val.get<std::string>()) : -1;
+                const int32_t sel = val.is_string() ? llama_ridgefill_selector_from_name(val.get<std::string>().c_str()) : -1;
                 if (sel < 0) {
                     throw std::invalid_argument("\"selector\" must be one of " + rf_selector_names() + ", got " + rf_quote(val));
                 }
@@ -227,7 +224,7 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
             __func__, maps ? params.maps.c_str() : "identity fill", defaults.split_layer, llama_model_n_layer(model),
             defaults.n_tail, origin(LLAMA_RIDGEFILL_TUNABLE_TAIL, params.n_tail != LLAMA_RIDGEFILL_UNSET),
             defaults.exact_fraction, origin(LLAMA_RIDGEFILL_TUNABLE_EXACT_FRACTION, params.exact_fraction != LLAMA_RIDGEFILL_UNSET),
-            server_ridgefill_selector_name(defaults.selector), origin(LLAMA_RIDGEFILL_TUNABLE_SELECTOR, !params.selector.empty()),
+            rf_selector_name(defaults.selector), origin(LLAMA_RIDGEFILL_TUNABLE_SELECTOR, !params.selector.empty()),
             defaults.span, origin(LLAMA_RIDGEFILL_TUNABLE_SPAN, params.span != LLAMA_RIDGEFILL_UNSET),
             defaults.n_key_rescale, origin(LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE, params.n_key_rescale != LLAMA_RIDGEFILL_UNSET),
             defaults.min_prompt);
@@ -329,7 +326,7 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     stats["tail"]           = st.n_tail;
     stats["split"]          = st.split_layer;
     stats["n_layer"]        = st.n_layer;
-    stats["selector"]       = server_ridgefill_selector_name(attached.selector);
+    stats["selector"]       = rf_selector_name(attached.selector);
     stats["exact_fraction"] = attached.exact_fraction;
     stats["span"]           = attached.span;
     stats["key_rescale"]    = attached.n_key_rescale;

@@ -39,10 +39,6 @@ struct server_ridgefill_request {
     bool    backend_sampling = false;
 };
 
-// the selectors by name (libllama's: llama_ridgefill_selector_names); -1 when unknown
-int32_t      server_ridgefill_selector_from_name(const std::string & name);
-const char * server_ridgefill_selector_name(int32_t selector);
-
 // parse the value of a request's "ridgefill" member: false, true, or an object with any of "tail"
 // (integer >= 1), "exact_fraction" (number in [0, 1]), "selector" (a selector name) and "span"
 // (integer in 1..LLAMA_RIDGEFILL_MAX_SPAN). Throws
