@@ -137,11 +137,6 @@ std::string llama_ridgefill_context::check_context(const llama_context & lctx) {
         return format("recurrent-state rollback snapshots (n_rs_seq = %u) are not supported by RidgeFill prefill: "
                 "create the context with n_rs_seq = 0", cparams.n_rs_seq);
     }
-    if (caches.swa && caches.swa->get_size() < caches.base->get_size()) {
-        return format("the sliding-window KV cache holds %u cells, fewer than the context (%u): filled and exact rows of "
-                "sliding-window layers need their cells kept; create the context with swa_full = true",
-                caches.swa->get_size(), caches.base->get_size());
-    }
     return "";
 }
 
@@ -441,6 +436,17 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
         return -1;
     }
 
+    // a window-sized sliding-window cache keeps the last rows only: rows before pos0 that the first
+    // planned rows attend to may leave it while the early phase runs, and are not in xs to refill. When
+    // the plan's rows do not all fit next to the sequence's rows, the prompt runs stock prefill
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    const bool swa_prefix = swa_scratch && caches.swa->seq_pos_max(seq_id) >= 0;
+    if (swa_prefix && caches.swa->get_cells(seq_id).get_used() + (uint32_t) N > caches.swa->get_size()) {
+        LLAMA_LOG_INFO("%s: stock prefill for the %d rows of sequence %d after its cached rows: the window-sized "
+                "sliding-window cache (%u cells) cannot keep the rows they attend to\n", __func__, N, seq_id, caches.swa->get_size());
+        return 0;
+    }
+
     plan   = {};
     timing = {}; // what a plan dropped before its late phase counts for no other
     plan.active  = true;
@@ -448,6 +454,7 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
     plan.pos0    = pos0;
     plan.pos_end = pos_end;
     plan.tokens.assign(N, LLAMA_TOKEN_NULL);
+    plan.swa_prefix = swa_prefix;
     if (sel_layer >= 0) {
         ggml_backend_tensor_memset(scores, 0, 0, ggml_nbytes(scores));
     }

@@ -37,6 +37,10 @@ struct llama_ridgefill_plan {
 
     std::vector<llama_token> tokens; // token of each planned row (LLAMA_TOKEN_NULL: embeddings input)
 
+    // the sequence had rows before pos0 in a window-sized sliding-window cache (its first planned rows
+    // attend to them at sliding-window layers, so none of the plan's rows may leave the cache)
+    bool swa_prefix = false;
+
     // rows of the last decode call that asked for logits: tail rows get them from the late phase,
     // (position, batch index); any other planned row gets NaN (its logits are never computed)
     std::vector<std::pair<llama_pos, int32_t>> out_rows;
@@ -114,7 +118,16 @@ struct llama_ridgefill_context {
 
     // the runs of late layers that share their graphs, for a pass with n_x exact rows, n_f filled rows
     // (fills: the pass fills the attention layers) and the fill steps of fill_chunk
-    std::vector<llama_ridgefill_segment> late_segments(int32_t n_x, int32_t n_f, bool fills) const;
+    // (windowed: every attention layer has graphs of its own)
+    std::vector<llama_ridgefill_segment> late_segments(int32_t n_x, int32_t n_f, bool fills, bool windowed = false) const;
+
+    // a pass whose sliding-window cache no longer holds its first rows: the groups of exact rows that
+    // run the late sliding-window layers over the scratch cache, and the filled rows the cache holds
+    void make_windows(llama_ridgefill_pass & ps) const;
+
+    // a window-sized sliding-window cache: the scratch cache the late sliding-window layers of a windowed
+    // pass run over (created by reserve; n_swa + 2 n_ubatch cells); nullptr otherwise
+    bool create_swa_scratch();
 
     // the graphs of late layer il in a pass: row ranges [c0, c1) of the rows the layer runs
     std::vector<std::pair<int32_t, int32_t>> late_chunks(const llama_ridgefill_pass & ps, int32_t il) const;
@@ -125,7 +138,7 @@ struct llama_ridgefill_context {
     void late_rows_recurrent(const llama_ridgefill_pass & ps, int32_t il, int32_t c0, const std::vector<int32_t> & rows,
             llama_ridgefill_graph & g) const;
     void late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t il_end, int32_t c0,
-            const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const;
+            const std::vector<int32_t> & rows, const llama_ridgefill_window * w, llama_ridgefill_graph & g) const;
 
     // run every graph of a pass; "" on success, else what failed
     std::string run_pass(const llama_ridgefill_pass & ps);
@@ -196,6 +209,9 @@ struct llama_ridgefill_context {
 
     std::unique_ptr<llm_graph_result> res_late;
 
+    // the late sliding-window layers' scratch cache (create_swa_scratch; nullptr: none needed)
+    std::unique_ptr<llama_kv_cache> swa_scratch;
+
     // the last finished plan
     llama_ridgefill_stats  stats = {};
     std::vector<llama_pos> last_exact;
@@ -211,6 +227,7 @@ struct llama_ridgefill_context {
         int32_t n_early     = 0; // early-phase graphs built
         int32_t n_early_reused = 0;
         int32_t n_graphs    = 0;
+        int32_t n_window    = 0; // window graphs among them
         int64_t n_nodes     = 0;
         int64_t build_us    = 0;
         int64_t alloc_us    = 0;

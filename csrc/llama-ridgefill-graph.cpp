@@ -56,6 +56,10 @@ public:
         sets.push_back({ new_input(ctx0, GGML_TYPE_I64, v.size(), name), nullptr, &v });
         return sets.back().t;
     }
+    ggml_tensor * add(ggml_context * ctx0, const std::vector<float> & v, const char * name) {
+        sets.push_back({ new_input(ctx0, GGML_TYPE_F32, v.size(), name), nullptr, nullptr, &v });
+        return sets.back().t;
+    }
 
     const llama_ridgefill_graph & rf;
 
@@ -84,14 +88,19 @@ private:
         return t;
     }
 
-    // an input tensor and the vector it is filled from (one of i32, i64)
+    // an input tensor and the vector it is filled from (one of i32, i64, f32)
     struct input_set {
         ggml_tensor                * t;
         const std::vector<int32_t> * i32;
         const std::vector<int64_t> * i64;
+        const std::vector<float>   * f32 = nullptr;
 
-        const void * data() const { return i32 ? (const void *) i32->data() : (const void *) i64->data(); }
-        size_t       size() const { return i32 ? i32->size()*sizeof(int32_t) : i64->size()*sizeof(int64_t); }
+        const void * data() const {
+            return i32 ? (const void *) i32->data() : i64 ? (const void *) i64->data() : (const void *) f32->data();
+        }
+        size_t size() const {
+            return i32 ? i32->size()*sizeof(int32_t) : i64 ? i64->size()*sizeof(int64_t) : f32->size()*sizeof(float);
+        }
     };
     std::vector<input_set> sets;
 };
@@ -520,12 +529,19 @@ static void rf_build_fill(
     ggml_tensor * scale = nullptr;
     if (!rf->r_rows.empty()) {
         scale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, w, /*key =*/ false), 1, n_head_kv, 1);
+    } else if (!rf->v_scale_in.empty()) {
+        // measured by the layer's first graph (a layer filled by several graphs: window graphs)
+        GGML_ASSERT((int64_t) rf->v_scale_in.size() == n_head_kv);
+        scale = ggml_reshape_3d(ctx0, inp->add(ctx0, rf->v_scale_in, "ridgefill_v_scale_in"), 1, n_head_kv, 1);
     }
 
     // (a') the key scale (issue #8), the same measurement on K (after k-norm; RoPE keeps norms)
     ggml_tensor * kscale = nullptr;
     if (!rf->rk_rows.empty()) {
         kscale = ggml_reshape_3d(ctx0, rf_build_head_scale(g, il, w, /*key =*/ true), 1, n_head_kv, 1);
+    } else if (!rf->k_scale_in.empty()) {
+        GGML_ASSERT((int64_t) rf->k_scale_in.size() == n_head_kv);
+        kscale = ggml_reshape_3d(ctx0, inp->add(ctx0, rf->k_scale_in, "ridgefill_k_scale_in"), 1, n_head_kv, 1);
     }
 
     // (b) the filled rows, in chunks
@@ -599,6 +615,38 @@ static void rf_build_fill(
     }
 }
 
+// a window graph: the ubatch rows wt->ids, whose K/V the graph stores in the scratch cache, into the
+// sliding-window cache too (k_cur, v_cur: [n_embd_head, n_head_kv, n_tokens] as stored)
+static void rf_build_write_through(const llm_graph_context & g, ggml_tensor * k_cur, ggml_tensor * v_cur, int il) {
+    const llama_ridgefill_write & wt = *g.rf->wt;
+    ggml_context * ctx0 = g.ctx0;
+    auto * inp = rf_inputs(g);
+
+    ggml_tensor * ids   = inp->add(ctx0, wt.ids,   "ridgefill_wt_ids");
+    ggml_tensor * cells = inp->add(ctx0, wt.cells, "ridgefill_wt_cells");
+    ggml_tensor * k_st  = wt.k[il];
+    ggml_tensor * v_st  = wt.v[il];
+    GGML_ASSERT(k_st != nullptr && v_st != nullptr);
+
+    const int64_t n_tokens = k_cur->ne[2];
+    ggml_tensor * k = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, ggml_cont(ctx0, k_cur), k_cur->ne[0]*k_cur->ne[1], n_tokens), ids);
+    ggml_tensor * v = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, ggml_cont(ctx0, v_cur), v_cur->ne[0]*v_cur->ne[1], n_tokens), ids);
+
+    // the rows of every stream, as llama_kv_cache::cpy_k addresses them
+    ggml_tensor * k_dst = ggml_reshape_2d(ctx0, k_st, k_st->ne[0], ggml_nelements(k_st)/k_st->ne[0]);
+    GGML_ASSERT(k->ne[0] == k_dst->ne[0]);
+    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx0, k_dst, k, cells));
+    if (wt.v_trans) {
+        ggml_tensor * vidx = wt.cells_v.empty() ? cells : inp->add(ctx0, wt.cells_v, "ridgefill_wt_vcells");
+        v = ggml_reshape_3d(ctx0, v, v_cur->ne[0], v_cur->ne[1], v->ne[1]);
+        ggml_build_forward_expand(g.gf, rf_cpy_v_trans(ctx0, v_st, v, vidx, wt.strm));
+    } else {
+        ggml_tensor * v_dst = ggml_reshape_2d(ctx0, v_st, v_st->ne[0], ggml_nelements(v_st)/v_st->ne[0]);
+        GGML_ASSERT(v->ne[0] == v_dst->ne[0]);
+        ggml_build_forward_expand(g.gf, ggml_set_rows(ctx0, v_dst, v, cells));
+    }
+}
+
 void llama_ridgefill_build_attn(
         const llm_graph_context & g,
    const llama_kv_cache_context * mctx,
@@ -606,12 +654,17 @@ void llama_ridgefill_build_attn(
                     ggml_tensor * k_rot,
                     ggml_tensor * v_rot,
                     ggml_tensor * q_cur,
+                    ggml_tensor * k_cur,
+                    ggml_tensor * v_cur,
                     ggml_tensor * sinks,
                           float   kq_scale,
                             int   il) {
     const llama_ridgefill_graph * rf = g.rf;
     if (rf == nullptr) {
         return;
+    }
+    if (rf->wt != nullptr && g.hparams.is_swa(il)) {
+        rf_build_write_through(g, k_cur, v_cur, il);
     }
     // the fill first: a probe pass scores the query rows' attention against the filled cells
     if (rf->fill != nullptr) {

@@ -53,6 +53,19 @@ struct llama_ridgefill_fill {
     int32_t splice  = 0;            // enum llama_ridgefill_splice: keep the cells' K and/or V
 };
 
+// a late sliding-window layer over the scratch cache (a window-sized sliding-window cache, see
+// llama_ridgefill_window): the graph's exact rows that the sliding-window cache still holds get their
+// K/V written there too, as the graph stores them in the scratch
+struct llama_ridgefill_write {
+    std::vector<int32_t> ids;        // [n] their rows in the graph's ubatch
+    std::vector<int64_t> cells;      // [n] their rows in the cache's storage (stream × kv_size + cell)
+    std::vector<int64_t> cells_v;    // a transposed V cache and a stream other than 0: the cells; else empty
+    std::vector<ggml_tensor *> k;    // [n_layer] the cache's K storage of each late sliding-window layer
+    std::vector<ggml_tensor *> v;    // [n_layer] ... V storage
+    bool    v_trans = false;
+    int32_t strm    = 0;
+};
+
 // the RidgeFill part of one graph's parameters (llm_graph_params::ridgefill); owned by the
 // llama_ridgefill_context, alive while the graph is built and its inputs are set.
 //
@@ -118,6 +131,12 @@ struct llama_ridgefill_graph {
     std::vector<int32_t> rk_src_rows; // key-scale rows, as r_src_rows / r_ids / r_rows; empty: no key scale
     std::vector<int32_t> rk_ids;
     std::vector<int32_t> rk_rows;
+    std::vector<float>   v_scale_in;  // the value scale measured by an earlier graph of the layer, [n_head_kv]
+    std::vector<float>   k_scale_in;  //   (and the key scale): a fill without scale rows uses it; empty: none
+
+    // a window graph (a late sliding-window layer over the scratch cache): exact rows also written to
+    // the sliding-window cache (nullptr: none)
+    const llama_ridgefill_write * wt = nullptr;
 
     // the graph reuse key (llm_graph_params::ridgefill_reuse): graphs of equal keys >= 0 have the same
     // topology for ubatches of the same shape (llm_graph_params::allow_reuse checks those), so the
@@ -187,6 +206,8 @@ bool llama_ridgefill_build_split(const llm_graph_context & g, int il, ggml_tenso
 //   il == sel_layer (a late graph with sel_late: every full-attention layer): add the selector query
 //                     rows' attention probabilities (summed over heads and rows) to `scores` (after
 //                     the fill: the probe pass scores the filled cache)
+//   a window graph:   its exact rows that the sliding-window cache holds: their K/V (k_cur, v_cur, as
+//                     stored) written there too
 // q_cur: [n_embd_head, n_head, n_tokens] as build_attn uses it (after rotation); sinks: the layer's
 // attention sinks [n_head] (gpt-oss; nullptr: none), in the selector's softmax as in the attention
 void llama_ridgefill_build_attn(
@@ -196,6 +217,8 @@ void llama_ridgefill_build_attn(
                     ggml_tensor * k_rot,
                     ggml_tensor * v_rot,
                     ggml_tensor * q_cur,
+                    ggml_tensor * k_cur,
+                    ggml_tensor * v_cur,
                     ggml_tensor * sinks,
                           float   kq_scale,
                             int   il);

@@ -52,6 +52,8 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
     const int64_t offs     = (int64_t) f.strm*caches.base->get_size();
     const int64_t offs_swa = caches.swa ? (int64_t) f.strm_swa*caches.swa->get_size() : 0;
     const bool    local_v  = !f.v_trans.empty() && (offs != 0 || offs_swa != 0);
+    // a window-sized sliding-window cache that no longer holds the first rows (they left it first)
+    ps.windowed = !ps.cells_swa.empty() && ps.cells_swa[0] < 0;
     for (int32_t j = 0; j < ps.N; ++j) {
         if (is_exact[j]) {
             ps.xi[j] = (int32_t) ps.X.size();
@@ -63,7 +65,7 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
             if (local_v) {
                 f.cells_v.push_back(ps.cells[j]);
             }
-            if (!ps.cells_swa.empty()) {
+            if (!ps.cells_swa.empty() && !ps.windowed) {
                 f.cells_swa.push_back(ps.cells_swa[j] + offs_swa);
                 if (local_v) {
                     f.cells_v_swa.push_back(ps.cells_swa[j]);
@@ -86,10 +88,150 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
         }
         f.pos = std::move(sections);
     }
+    if (ps.windowed) {
+        make_windows(ps);
+    }
     return ps;
 }
 
-std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int32_t n_x, int32_t n_f, bool fills) const {
+void llama_ridgefill_context::make_windows(llama_ridgefill_pass & ps) const {
+    const llama_hparams & hparams = model.hparams;
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    GGML_ASSERT(swa_scratch && caches.swa && hparams.n_pos_per_embd() == 1);
+
+    const int32_t n_swa    = (int32_t) hparams.n_swa;
+    const int32_t n_ubatch = (int32_t) lctx.get_cparams().n_ubatch;
+    const int32_t n_cells  = (int32_t) swa_scratch->get_size();
+    const int32_t n_x      = (int32_t) ps.X.size();
+    const llama_ridgefill_fill & f = ps.fill;
+
+    // the rows the cache holds: the last ones, from j_r0 on
+    int32_t j_r0 = 0;
+    while (j_r0 < ps.N && ps.cells_swa[j_r0] < 0) {
+        ++j_r0;
+    }
+    GGML_ASSERT(std::find(ps.cells_swa.begin() + j_r0, ps.cells_swa.end(), -1) == ps.cells_swa.end());
+
+    // its filled rows, written by the first graph of each late sliding-window layer over the cache
+    const int64_t offs_swa = (int64_t) f.strm_swa*caches.swa->get_size();
+    const bool    local_v  = !f.v_trans.empty() && offs_swa != 0;
+    llama_ridgefill_fill & fs = ps.fill_swa;
+    fs.v_trans  = f.v_trans;
+    fs.strm     = f.strm;
+    fs.strm_swa = f.strm_swa;
+    fs.splice   = f.splice;
+    for (int32_t j = j_r0; j < ps.N; ++j) {
+        if (ps.xi[j] < 0) {
+            fs.rows     .push_back(j);
+            fs.pos      .push_back(ps.pos0 + j);
+            fs.cells_swa.push_back(ps.cells_swa[j] + offs_swa);
+            if (local_v) {
+                fs.cells_v_swa.push_back(ps.cells_swa[j]);
+            }
+        }
+    }
+    fs.n_chunk = fill_chunk((int32_t) fs.rows.size());
+
+    // the exact rows whose window reaches a row the cache no longer holds: X[0, n_x_win)
+    ps.n_x_win = 0;
+    while (ps.n_x_win < n_x && ps.X[ps.n_x_win] - n_swa + 1 < j_r0) {
+        ++ps.n_x_win;
+    }
+
+    // the scratch's storage, and the cache's for the exact rows written to both
+    llama_ridgefill_write wt0;
+    wt0.k.assign(n_layer, nullptr);
+    wt0.v.assign(n_layer, nullptr);
+    wt0.v_trans = caches.swa->get_v_trans();
+    wt0.strm    = f.strm_swa;
+    std::vector<ggml_tensor *> v_scratch;
+    if (wt0.v_trans) {
+        v_scratch.assign(n_layer, nullptr);
+    }
+    for (int32_t il = params.split_layer; il < n_layer; ++il) {
+        if (hparams.is_swa(il) && !hparams.is_recr(il)) {
+            wt0.k[il] = caches.swa->get_k_storage(il);
+            wt0.v[il] = caches.swa->get_v_storage(il);
+            if (wt0.v_trans) {
+                v_scratch[il] = swa_scratch->get_v_storage(il);
+            }
+        }
+    }
+
+    // groups in position order, each at most n_ubatch exact rows whose windows (the rows [max(p - n_swa
+    // + 1, 0), p] of each, as planned rows) fit the scratch together. The rows of a group's windows below
+    // its first row were in the previous group's windows, so the scratch holds them already; the others
+    // enter, into cells whose rows have left (positions below the group's first window)
+    std::vector<int32_t> cell_row(n_cells, -1); // the planned row in each scratch cell
+    int32_t in_end = -1;                        // the last row in the scratch
+    for (int32_t k0 = 0; k0 < ps.n_x_win; ) {
+        llama_ridgefill_window w;
+        w.c0 = k0;
+        const int32_t lo = std::max(ps.X[k0] - n_swa + 1, 0);
+        int32_t n_rows = 0;
+        int32_t end    = lo - 1;
+        int32_t k      = k0;
+        while (k < ps.n_x_win && k - k0 < n_ubatch) {
+            const int32_t a = std::max({ ps.X[k] - n_swa + 1, end + 1, 0 });
+            if (k > k0 && n_rows + (ps.X[k] - a + 1) > n_cells) {
+                break;
+            }
+            n_rows += ps.X[k] - a + 1;
+            end = ps.X[k];
+            ++k;
+        }
+        w.c1 = k;
+        w.lo = ps.pos0 + lo;
+
+        for (int32_t & r : cell_row) {
+            if (r >= 0 && r < lo) {
+                r = -1;
+            }
+        }
+        w.fill.v_trans  = v_scratch;
+        w.fill.strm_swa = 0;
+        w.fill.splice   = f.splice;
+        w.wt.k       = wt0.k;
+        w.wt.v       = wt0.v;
+        w.wt.v_trans = wt0.v_trans;
+        w.wt.strm    = wt0.strm;
+        int32_t c    = 0;   // the next cell to try
+        int32_t last = in_end;
+        for (int32_t kk = k0; kk < w.c1; ++kk) {
+            for (int32_t j = std::max({ ps.X[kk] - n_swa + 1, last + 1, 0 }); j <= ps.X[kk]; ++j) {
+                while (cell_row[c] >= 0) {
+                    ++c;
+                    GGML_ASSERT(c < n_cells);
+                }
+                cell_row[c] = j;
+                w.pos_new  .push_back(ps.pos0 + j);
+                w.cells_new.push_back((uint32_t) c);
+                if (ps.xi[j] < 0) {
+                    w.fill.rows     .push_back(j);
+                    w.fill.pos      .push_back(ps.pos0 + j);
+                    w.fill.cells_swa.push_back(c);
+                } else {
+                    GGML_ASSERT(j == ps.X[kk]);
+                    w.cells_x.push_back((uint32_t) c);
+                    if (ps.cells_swa[j] >= 0) {
+                        w.wt.ids.push_back(kk - k0);
+                        w.wt.cells.push_back(ps.cells_swa[j] + offs_swa);
+                        if (local_v) {
+                            w.wt.cells_v.push_back(ps.cells_swa[j]);
+                        }
+                    }
+                }
+            }
+            last = std::max(last, ps.X[kk]);
+        }
+        w.fill.n_chunk = fill_chunk((int32_t) w.fill.rows.size());
+        in_end = last;
+        k0     = w.c1;
+        ps.windows.push_back(std::move(w));
+    }
+}
+
+std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int32_t n_x, int32_t n_f, bool fills, bool windowed) const {
     const llama_hparams & hparams = model.hparams;
     const int32_t n_ubatch = (int32_t) lctx.get_cparams().n_ubatch;
 
@@ -97,7 +239,7 @@ std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int3
     // chunks, a later chunk's rows need the layer filled, and the fill needs the value scale of the
     // tail, the last chunk) and their fill steps fit the graph's node budget together
     int32_t n_att = 1;
-    if (n_x <= n_ubatch) {
+    if (n_x <= n_ubatch && !windowed) {
         const int32_t n_chunk = fill_step_rows();
         const int32_t n_steps = fills && n_f > 0 ? (n_f + n_chunk - 1)/n_chunk : 0;
         n_att = n_steps > 0 ? std::max(1, fill_steps_max()/n_steps) : n_layer;
@@ -126,8 +268,13 @@ std::vector<std::pair<int32_t, int32_t>> llama_ridgefill_context::late_chunks(co
     const int32_t n_ubatch  = (int32_t) lctx.get_cparams().n_ubatch;
     const int32_t n_max     = recurrent ? std::max(n_late_rows_recr, n_ubatch) : n_ubatch;
 
+    // a windowed pass's sliding-window layer: the window graphs first, then the chunks over the cache
     std::vector<std::pair<int32_t, int32_t>> chunks;
-    for (int32_t c0 = 0; c0 < n_rows; ) {
+    const bool window = ps.windowed && model.hparams.is_swa(il) && !recurrent;
+    for (size_t i = 0; window && i < ps.windows.size(); ++i) {
+        chunks.emplace_back(ps.windows[i].c0, ps.windows[i].c1);
+    }
+    for (int32_t c0 = window ? ps.n_x_win : 0; c0 < n_rows; ) {
         const int32_t end = recurrent && c0 < ps.n_prefix ? ps.n_prefix : n_rows;
         int32_t c1  = c0;
         int32_t n_x = 0;
@@ -177,7 +324,7 @@ void llama_ridgefill_context::late_rows_recurrent(const llama_ridgefill_pass & p
 // the rows of an attention late graph, a chunk of the exact rows; the first chunk of a filling pass
 // also fills the graph's layers, and a probe pass's query rows score the prefix
 void llama_ridgefill_context::late_rows_attention(const llama_ridgefill_pass & ps, int32_t il, int32_t il_end,
-        int32_t c0, const std::vector<int32_t> & rows, llama_ridgefill_graph & g) const {
+        int32_t c0, const std::vector<int32_t> & rows, const llama_ridgefill_window * w, llama_ridgefill_graph & g) const {
     const llama_hparams & hparams = model.hparams;
     const int32_t S   = params.split_layer;
     const int32_t n_x = ps.X.size();
@@ -187,11 +334,30 @@ void llama_ridgefill_context::late_rows_attention(const llama_ridgefill_pass & p
         g.src_rows.push_back(il == S ? rows[i] : ps.xi[rows[i]]);
         g.dst_rows.push_back(ps.xi[rows[i]]);
     }
-    if (ps.fills && c0 == 0) {
+    // a windowed pass's sliding-window layer is filled by several graphs: each window graph fills the
+    // scratch (a pass that does not fill too: the scratch holds nothing of the pass before), and the
+    // first graph over the cache the filled rows the cache holds
+    const bool window_layer = ps.windowed && hparams.is_swa(il);
+    if (w) {
+        g.fill = &w->fill;
+        g.wt   = w->wt.ids.empty() ? nullptr : &w->wt;
+    } else if (ps.fills && c0 == (window_layer ? ps.n_x_win : 0)) {
+        g.fill = window_layer ? &ps.fill_swa : &ps.fill;
+    }
+    if (g.fill && (c0 > 0 || !ps.fills)) {
+        // the layer's scales, measured by its first graph (a pass that does not fill: by the probe pass)
+        const size_t n_head_kv_max = last_v_scales.size()/(n_layer - S);
+        const size_t i0 = (size_t) (il - S)*n_head_kv_max;
+        if (std::min(params.n_rescale, ps.T) > 0) {
+            g.v_scale_in.assign(last_v_scales.begin() + i0, last_v_scales.begin() + i0 + hparams.n_head_kv(il));
+        }
+        if (std::min(params.n_key_rescale, ps.T) > 0) {
+            g.k_scale_in.assign(last_k_scales.begin() + i0, last_k_scales.begin() + i0 + hparams.n_head_kv(il));
+        }
+    } else if (g.fill) {
         // the fill, after the value (and key) scale measured on the first tail rows: their exact
         // inputs (xs at the split layer, else their carried states; at a later layer of the graph,
         // their rows of its input) against x̂ from their xs rows
-        g.fill  = &ps.fill;
         g.r_src = g.src;
         for (int32_t i = 0; i < std::min(params.n_rescale, ps.T); ++i) {
             g.r_src_rows.push_back(il == S ? ps.n_prefix + i : n_x - ps.T + i);
@@ -244,7 +410,18 @@ void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_
         pos[i]        = ps.pos0 + j;
         lg.cells[i]   = ps.cells[j];
         if (swa) {
-            lg.cells_swa[i] = ps.cells_swa[j];
+            // a windowed pass: a row the sliding-window cache no longer holds is not read there by a
+            // graph that runs over the cache (a full-attention layer's)
+            lg.cells_swa[i] = (uint32_t) std::max<int64_t>(ps.cells_swa[j], 0);
+        }
+    }
+    // a window graph: its rows are in the scratch
+    lg.window = -1;
+    for (size_t k = 0; ps.windowed && hparams.is_swa(il) && !recurrent && k < ps.windows.size(); ++k) {
+        if (ps.windows[k].c0 == c0) {
+            GGML_ASSERT(ps.windows[k].c1 == c1 && il_end == il + 1);
+            lg.window    = (int32_t) k;
+            lg.cells_swa = ps.windows[k].cells_x;
         }
     }
     lg.ub = llama_ridgefill_make_ubatch(ps.seq_id, pos, false, hparams.n_pos_per_embd());
@@ -263,7 +440,7 @@ void llama_ridgefill_context::late_graph(const llama_ridgefill_pass & ps, int32_
         late_rows_recurrent(ps, il, c0, rows, g);
         out_rows = g.x_ids;
     } else {
-        late_rows_attention(ps, il, il_end, c0, rows, g);
+        late_rows_attention(ps, il, il_end, c0, rows, lg.window >= 0 ? &ps.windows[lg.window] : nullptr, g);
         out_rows.resize(nc);
         std::iota(out_rows.begin(), out_rows.end(), 0);
     }
@@ -317,7 +494,7 @@ std::string llama_ridgefill_context::run_pass(const llama_ridgefill_pass & ps) {
 
     const llama_hparams & hparams = model.hparams;
     llama_ridgefill_late_graph lg;
-    for (const auto & sg : late_segments((int32_t) ps.X.size(), (int32_t) ps.fill.rows.size(), ps.fills)) {
+    for (const auto & sg : late_segments((int32_t) ps.X.size(), (int32_t) ps.fill.rows.size(), ps.fills, ps.windowed)) {
         for (const auto & [c0, c1] : late_chunks(ps, sg.l0)) {
             // a chunk of recurrent rows without an exact row runs its layers one graph each: such a
             // graph ends with its first layer's state update
@@ -355,7 +532,16 @@ std::string llama_ridgefill_context::run_graph(const llama_ridgefill_pass & ps, 
     }
 
     const bool rs_zero = recurrent && ps.pos0 == 0 && lg.c0 == 0; // a new sequence starts from a zero state
-    llama_memory_context_ptr mctx = caches.reuse_context(ps.seq_id, lg.ub, lg.cells, lg.cells_swa, rs_cell, rs_zero);
+    llama_memory_context_ptr mctx;
+    if (lg.window >= 0) {
+        // a window graph: the rows its windows need into the scratch, the graph over it
+        const llama_ridgefill_window & w = ps.windows[lg.window];
+        llama_ridgefill_scratch_enter(swa_scratch.get(), ps.seq_id, lg.window == 0, w.lo, w.pos_new, w.cells_new);
+        mctx = caches.scratch_context(swa_scratch.get(), ps.seq_id, lg.ub, lg.cells, lg.cells_swa);
+        timing.n_window++;
+    } else {
+        mctx = caches.reuse_context(ps.seq_id, lg.ub, lg.cells, lg.cells_swa, rs_cell, rs_zero);
+    }
     if (!mctx->apply()) {
         return "failed to address the memory of the late rows";
     }
@@ -503,8 +689,15 @@ int llama_ridgefill_context::finish() {
     const llama_ridgefill_caches caches(lctx.get_memory());
     std::vector<int64_t> cells     = llama_ridgefill_find_cells(caches.base, p.seq_id, p.pos0, N);
     std::vector<int64_t> cells_swa = caches.swa ? llama_ridgefill_find_cells(caches.swa, p.seq_id, p.pos0, N) : std::vector<int64_t>();
+    // a window-sized sliding-window cache no longer holds the first rows of a long prompt (the late
+    // sliding-window layers run them over the scratch, make_windows); every other row must be there
+    const size_t n_left = swa_scratch ? std::find_if(cells_swa.begin(), cells_swa.end(), [](int64_t c) { return c >= 0; }) - cells_swa.begin() : 0;
+    if (n_left > 0 && p.swa_prefix) {
+        return fail("rows before the planned prompt that its first rows attend to at sliding-window layers have left the "
+                "window-sized sliding-window cache");
+    }
     if (std::find(cells.begin(), cells.end(), -1) != cells.end() ||
-        std::find(cells_swa.begin(), cells_swa.end(), -1) != cells_swa.end()) {
+        std::find(cells_swa.begin() + n_left, cells_swa.end(), -1) != cells_swa.end() || n_left == cells_swa.size()) {
         return fail("a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)");
     }
 
@@ -572,6 +765,12 @@ int llama_ridgefill_context::finish() {
     stats.n_late_reused  = 0;
     stats.n_late_rows    = (int32_t) lctx.get_cparams().n_ubatch;
     stats.n_late_rows_recr = n_late_rows_recr;
+    stats.n_scratch_cells = swa_scratch ? (int32_t) swa_scratch->get_size() : 0;
+    stats.n_window_graphs = timing.n_window;
+    stats.scratch_bytes   = 0;
+    for (const auto & [buft, size] : swa_scratch ? swa_scratch->memory_breakdown() : std::map<ggml_backend_buffer_type_t, size_t>()) {
+        stats.scratch_bytes += (int64_t) size;
+    }
     stats.t_early_ms     = timing.early_us/1000.0;
     stats.t_build_ms     = timing.build_us/1000.0;
     stats.t_alloc_ms     = timing.alloc_us/1000.0;
@@ -719,6 +918,26 @@ struct llama_ridgefill_reserver {
         }
     }
 
+    // a window-sized sliding-window cache: the graph of a late sliding-window layer over the scratch
+    // (its attention reads up to all of it), at the first such layer and the last layer (with logits)
+    void late_window() {
+        if (!rf.swa_scratch) {
+            return;
+        }
+        llama_memory_context_ptr m = caches.scratch_context(rf.swa_scratch.get(), 0,
+                llama_ridgefill_make_ubatch(0, {}, false, 1), {}, {});
+        std::swap(m, mctx);
+        const int32_t n_f = std::min<int32_t>(n_f_max, (int32_t) rf.swa_scratch->get_size());
+        bool first = true;
+        for (int32_t il = rf.params.split_layer; il < rf.n_layer; ++il) {
+            if (hparams.is_swa(il) && !hparams.is_recr(il) && (first || il == rf.n_layer - 1)) {
+                reserve_late(pass(n_f, n_tokens, n_query), il, il + 1, n_tokens);
+                first = false;
+            }
+        }
+        std::swap(m, mctx);
+    }
+
     // recurrent late layers: chunks of more rows than n_ubatch (at most n_ubatch of them exact), as
     // many as the compute buffers reserved so far hold: fewer graphs, and no more memory. Sets
     // rf.n_late_rows_recr
@@ -787,12 +1006,16 @@ bool llama_ridgefill_context::reserve() {
         return true; // no plan begins while embeddings are on (llama_set_embeddings); turning them off reserves again
     }
 
+    if (!create_swa_scratch()) {
+        return false;
+    }
     llama_ridgefill_reserver rs(*this);
     if (!rs.mctx) {
         return false;
     }
     rs.early();
     rs.late_layers();
+    rs.late_window();
     rs.late_multi_layer();
     rs.recurrent_chunks();
 
@@ -802,6 +1025,37 @@ bool llama_ridgefill_context::reserve() {
     // the scheduler no longer holds the previous graph; the compute buffers are what is expected now
     lctx.graph_forget(true);
     return rs.ok;
+}
+
+bool llama_ridgefill_context::create_swa_scratch() {
+    const llama_hparams & hparams = model.hparams;
+    const llama_cparams & cparams = lctx.get_cparams();
+    const llama_ridgefill_caches caches(lctx.get_memory());
+    if (swa_scratch || !caches.swa || caches.swa->get_size() >= caches.base->get_size()) {
+        return true; // made already, or the sliding-window cache holds every row of a prompt
+    }
+    int32_t il0 = -1;
+    for (int32_t il = params.split_layer; il < n_layer && il0 < 0; ++il) {
+        il0 = hparams.is_swa(il) && !hparams.is_recr(il) ? il : -1;
+    }
+    if (il0 < 0) {
+        return true; // no late sliding-window layer
+    }
+    // room for a window and two ubatches of exact rows' positions, like the sliding-window cache's
+    // n_swa + n_ubatch cells (fewer window graphs for a little more memory)
+    const uint32_t n_pad  = 256;
+    const uint32_t n_size = std::min(caches.base->get_size(), GGML_PAD(hparams.n_swa + 2*cparams.n_ubatch, n_pad));
+    const int32_t  S      = params.split_layer;
+    try {
+        swa_scratch = std::make_unique<llama_kv_cache>(model, hparams,
+                caches.swa->get_k_storage(il0)->type, caches.swa->get_v_storage(il0)->type, caches.swa->get_v_trans(),
+                cparams.offload_kqv, /*unified =*/ true, n_size, cparams.n_seq_max, n_pad, hparams.n_swa, hparams.swa_type,
+                nullptr, [&](int32_t il) { return il >= S && hparams.is_swa(il); }, nullptr, nullptr, "ridgefill_window_");
+    } catch (const std::exception & err) {
+        LLAMA_LOG_ERROR("%s: failed to create the scratch cache of the late sliding-window layers: %s\n", __func__, err.what());
+        return false;
+    }
+    return true;
 }
 
 int32_t llama_ridgefill_context::fill_steps_max() const {

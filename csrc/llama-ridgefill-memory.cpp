@@ -91,6 +91,39 @@ llama_memory_context_ptr llama_ridgefill_caches::reuse_context(llama_seq_id seq_
             std::vector<llama_ubatch> { ub });
 }
 
+llama_memory_context_ptr llama_ridgefill_caches::scratch_context(llama_kv_cache * scratch, llama_seq_id seq_id,
+        const llama_ubatch & ub, const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_scratch) const {
+    GGML_ASSERT(iswa && scratch);
+    if (ub.n_tokens == 0) {
+        return std::make_unique<llama_kv_cache_iswa_context>(base->init_full(), scratch->init_full(), std::vector<llama_ubatch>());
+    }
+    std::vector<llama_ubatch> ubs = { ub };
+    return std::make_unique<llama_kv_cache_iswa_context>(
+            std::make_unique<llama_kv_cache_context>(base,    llama_kv_cache::slot_info_vec_t { rf_reuse_slot(base,    seq_id, cells) }, ubs),
+            std::make_unique<llama_kv_cache_context>(scratch, llama_kv_cache::slot_info_vec_t { rf_reuse_slot(scratch, seq_id, cells_scratch) }, ubs),
+            ubs);
+}
+
+void llama_ridgefill_scratch_enter(llama_kv_cache * scratch, llama_seq_id seq_id, bool first, llama_pos lo,
+        const std::vector<llama_pos> & pos, const std::vector<uint32_t> & cells) {
+    if (first) {
+        scratch->clear(false);
+    } else {
+        scratch->seq_rm(seq_id, -1, lo);
+    }
+    if (pos.empty()) {
+        return;
+    }
+    // the rows' positions into the cells (apply_ubatch of a slot that is not reused writes them)
+    llama_kv_cache::slot_info sinfo;
+    sinfo.s0   = 0;
+    sinfo.s1   = 0;
+    sinfo.strm = { (llama_seq_id) scratch->get_stream(seq_id) };
+    sinfo.idxs = { cells };
+    const llama_ubatch ub = llama_ridgefill_make_ubatch(seq_id, pos, false, 1);
+    scratch->apply_ubatch(sinfo, ub);
+}
+
 std::vector<int64_t> llama_ridgefill_find_cells(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos pos0, int32_t n) {
     std::vector<int64_t> res(n, -1);
     const auto & cells = kv->get_cells(seq_id);

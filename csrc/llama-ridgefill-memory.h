@@ -40,7 +40,19 @@ struct llama_ridgefill_caches {
     // from a zeroed state)
     llama_memory_context_ptr reuse_context(llama_seq_id seq_id, const llama_ubatch & ub, const std::vector<uint32_t> & cells,
             const std::vector<uint32_t> & cells_swa, int32_t rs_cell, bool rs_zero) const;
+
+    // the same over the scratch cache of the late sliding-window layers: the full-attention cache's cells
+    // `cells` and the scratch's cells `cells_scratch` (an iSWA context whose sliding-window part is the
+    // scratch); a full context of both (n_kv the whole caches) when ub has no rows (reserve)
+    llama_memory_context_ptr scratch_context(llama_kv_cache * scratch, llama_seq_id seq_id, const llama_ubatch & ub,
+            const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_scratch) const;
 };
+
+// the rows of seq_id in the scratch cache of the late sliding-window layers, as a window graph needs
+// them: every row below position lo leaves (first: every row does), then the rows at positions pos
+// enter cells `cells`, which are empty by then
+void llama_ridgefill_scratch_enter(llama_kv_cache * scratch, llama_seq_id seq_id, bool first, llama_pos lo,
+        const std::vector<llama_pos> & pos, const std::vector<uint32_t> & cells);
 
 // cell of each position pos0 + j, j < n, of seq_id in a cache (-1 where none)
 std::vector<int64_t> llama_ridgefill_find_cells(const llama_kv_cache * kv, llama_seq_id seq_id, llama_pos pos0, int32_t n);

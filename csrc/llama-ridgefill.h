@@ -293,6 +293,14 @@ extern "C" {
         // buffers hold them)
         int32_t   n_late_rows;
         int32_t   n_late_rows_recr;
+
+        // a window-sized sliding-window cache (swa_full off): the late sliding-window layers of exact rows
+        // whose windows reach rows the cache no longer holds run over a scratch cache of n_scratch_cells
+        // cells (n_swa + 2 n_ubatch, padded; scratch_bytes for every late sliding-window layer), in
+        // n_window_graphs graphs of the late phase; 0 when the context has no such cache
+        int32_t   n_scratch_cells;
+        int32_t   n_window_graphs;
+        int64_t   scratch_bytes;
     };
 
     // statistics of the last finished plan; returns 0, or -1 without RidgeFill attached

@@ -260,6 +260,9 @@ class llama_ridgefill_stats(ctypes.Structure):
         ("t_other_ms", ctypes.c_double),
         ("n_late_rows", ctypes.c_int32),
         ("n_late_rows_recr", ctypes.c_int32),
+        ("n_scratch_cells", ctypes.c_int32),
+        ("n_window_graphs", ctypes.c_int32),
+        ("scratch_bytes", ctypes.c_int64),
     ]
 
 

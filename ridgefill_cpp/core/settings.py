@@ -196,6 +196,8 @@ STATS: Mapping[str, str] = {
                 " split the late phase",
     "late_rows": "rows of a late graph: {attention (exact rows of a chunk: n_ubatch), recurrent (rows of a chunk,"
                  " at most n_ubatch of them exact)}",
+    "window": "a window-sized sliding-window cache (swa_full off): {scratch_cells, scratch_bytes (the late sliding-window"
+              " layers' scratch cache; 0: none), graphs (late graphs over it)}",
     "maps_bytes": "bytes of the maps (0: identity fill)",
     "maps_placement": "'resident' or 'host'",
     "maps_buffers": "the ggml buffer types holding the maps",

@@ -280,9 +280,6 @@ class Llama(llama_cpp.Llama):
         rf = as_ridgefill(ridgefill)
         _check_context(kwargs.get("logits_all"), kwargs.get("embedding"))
         self._info = read_model_info(model_path)
-        if self._info.swa_layers and kwargs.get("swa_full") is None:
-            # sliding-window layers of filled and exact rows need every cell of the prompt kept
-            kwargs["swa_full"] = True
 
         self._load(model_path, args, kwargs, rpc_servers)
         try:
@@ -346,8 +343,9 @@ class Llama(llama_cpp.Llama):
         """Prefill the next prompts with ``ridgefill`` (a :class:`RidgeFill`, or a map file path for
         its defaults), or stock (None). The cache is left as it is; :attr:`ridgefill_stats` is
         emptied. A map file is loaded once per context and reused when attached again (freed by
-        :meth:`close`). A context of a model with sliding-window layers (gemma3, gpt-oss) must
-        have been created with ``swa_full=True``, which ``Llama(..., ridgefill=...)`` does. Raises
+        :meth:`close`). Any KV cache layout works: with a window-sized sliding-window cache
+        (``swa_full=False``; gemma3, gpt-oss) the late sliding-window layers of the first rows of a
+        long prompt run over a small scratch cache (``ridgefill_stats["window"]``). Raises
         ``ValueError`` (``MapFileError``: the maps) for settings libllama refuses; RidgeFill is then
         off."""
         rf = as_ridgefill(ridgefill)
@@ -513,6 +511,8 @@ class Llama(llama_cpp.Llama):
                          "alloc": s.t_alloc_ms, "set_input": s.t_set_input_ms, "compute": s.t_compute_ms,
                          "wait": s.t_wait_ms, "other": s.t_other_ms},
             "late_rows": {"attention": s.n_late_rows, "recurrent": s.n_late_rows_recr},
+            "window": {"scratch_cells": s.n_scratch_cells, "scratch_bytes": s.scratch_bytes,
+                       "graphs": s.n_window_graphs},
             **self.ridgefill_memory(),
         }
         return {key: stats[key] for key in settings.STATS}  # the documented keys, in their order
