@@ -697,7 +697,8 @@ int llama_ridgefill_context::finish() {
                 "window-sized sliding-window cache");
     }
     if (std::find(cells.begin(), cells.end(), -1) != cells.end() ||
-        std::find(cells_swa.begin() + n_left, cells_swa.end(), -1) != cells_swa.end() || n_left == cells_swa.size()) {
+        std::find(cells_swa.begin() + n_left, cells_swa.end(), -1) != cells_swa.end() ||
+        (!cells_swa.empty() && n_left == cells_swa.size())) {
         return fail("a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)");
     }
 

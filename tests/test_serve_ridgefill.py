@@ -435,8 +435,9 @@ def test_bad_maps_or_settings_stop_the_server_with_a_message(tiny_models, tmp_pa
 
 
 def test_gemma3_ridge_maps_sliding_window_layers_and_no_checkpoints(tiny_models, tmp_path):
-    """gemma3 (sliding-window layers, the server turns on --swa-full) with ridge maps fitted on its own
-    hidden states: the server equals the library; no context checkpoint is taken."""
+    """gemma3 (sliding-window layers) with ridge maps fitted on its own hidden states, on the window-sized
+    sliding-window cache llama-server creates by default (no --swa-full forced): the server equals the
+    library; no context checkpoint is taken inside a planned prompt."""
     from ridgefill_cpp.fitting import corpus
     from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
     from ridgefill_cpp.maps.mapfile import write_map_file
@@ -452,7 +453,8 @@ def test_gemma3_ridge_maps_sliding_window_layers_and_no_checkpoints(tiny_models,
             _assert_same(res, _library(model, prompt, rf))
             assert res["ridgefill"]["applied"] and res["ridgefill"]["split"] == 4
         log = s.log()
-    assert "--swa-full" in log and "created context checkpoint" not in log
+    assert "--swa-full" not in log and "created context checkpoint" not in log
+    assert "SWA KV cache, size = 256 cells" in log  # n_swa + n_ubatch, padded, per slot
 
 
 def test_qwen35_hybrid_through_the_server_equals_the_library(tiny_models, tmp_path):
