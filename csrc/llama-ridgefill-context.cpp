@@ -440,7 +440,7 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
     // planned rows attend to may leave it while the early phase runs, and are not in xs to refill. When
     // the plan's rows do not all fit next to the sequence's rows, the prompt runs stock prefill
     const llama_ridgefill_caches caches(lctx.get_memory());
-    const bool swa_prefix = swa_scratch && caches.swa->seq_pos_max(seq_id) >= 0;
+    const bool swa_prefix = swa_scratch && caches.swa->seq_pos_min(seq_id) >= 0 && caches.swa->seq_pos_min(seq_id) < pos0;
     if (swa_prefix && caches.swa->get_cells(seq_id).get_used() + (uint32_t) N > caches.swa->get_size()) {
         LLAMA_LOG_INFO("%s: stock prefill for the %d rows of sequence %d after its cached rows: the window-sized "
                 "sliding-window cache (%u cells) cannot keep the rows they attend to\n", __func__, N, seq_id, caches.swa->get_size());

@@ -150,3 +150,30 @@ def test_kv_buffers_are_stocks_with_the_same_flags(arch, tiny_models):
     assert stock and planned[:len(stock)] == stock
     # llama.cpp's sliding-window cache is window-sized: n_swa + n_ubatch cells, padded to 256
     assert any("SWA KV cache, size = 256 cells" in line for line in stock)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_sequence_with_cached_rows_plans_while_they_stay(arch, tiny_models):
+    """Rows of the sequence before pos0 are not in x_S: a plan after them runs while the window-sized
+    cache keeps them (the new rows fit next to them; the same as on a full-size cache), and runs stock
+    prefill when the cache would drop them."""
+    path = tiny_models[arch]
+    split = read_model_info(path).n_layer // 2
+    tokens = evaluation_tokens(path, 700)
+    out = {}
+    for full in (False, True):
+        rf = RidgeFill.identity(split, tail=TAIL, min_prompt=0, selector="protected")
+        llm = Llama(str(path), ridgefill=rf, swa_full=full, **ctx_kwargs(n_ctx=N_CTX, n_ubatch=N_UBATCH, n_batch=N_BATCH))
+        try:
+            llm.eval(tokens[:100])
+            llm.eval(tokens[100:250])  # 250 rows: the window-sized cache (256 cells) keeps them all
+            st = llm.ridgefill_stats
+            assert st["pos0"] == 100 and st["n_prompt"] == 150 and st["window"]["graphs"] == 0
+            logits = last_logits(llm)
+            llm.eval(tokens[250:700])
+            out[full] = (logits, dict(llm.ridgefill_stats))
+        finally:
+            llm.close()
+    assert rel(out[False][0], out[True][0]) < TOL_SAME
+    assert out[False][1] == {}  # stock prefill: the first new rows attend to rows the cache would drop
+    assert out[True][1]["pos0"] == 250  # a full-size cache keeps them
