@@ -683,6 +683,7 @@ def eval_cmd(
     retrieval_prompts: Optional[int] = typer.Option(None, "--retrieval-prompts", min=1, help="Retrieval prompts per depth, each with other names and codes (default 2)."),
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {_csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
+    swa_full: bool = typer.Option(True, "--swa-full/--no-swa-full", help="Models with sliding-window layers (gemma3, gpt-oss): every variant on a full-size KV cache (libllama's default) or on a window-sized one (llama-server's default, with --no-swa-full)."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
 ) -> None:
     """Measure what filling costs in quality, against exact prefill of the same prompts: ΔNLL on all,
@@ -702,7 +703,7 @@ def eval_cmd(
     ns = _check_prefill_args(model, lengths, selector)
     _check_output_dir(out_dir, "--out")
     kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads, codes=codes,
-              selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
+              swa_full=swa_full, selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
               queries=tuple(_number_list(queries, "--queries", int)) if queries else (),
               **_given(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale,
                        depths=depths and tuple(_number_list(depths, "--depths", float)),

@@ -156,6 +156,8 @@ def test_ridgefill_prompt_matches_the_library_and_reports_its_plan(tiny, tiny_mo
     assert set(st["graphs"]) == set(lib[2]["graphs"]) and st["graphs"]["late_built"] == lib[2]["graphs"]["late_built"] > 0
     assert set(st["times_ms"]) == set(lib[2]["times_ms"]) and st["times_ms"]["late"] == st["late_ms"]
     assert st["late_rows"] == lib[2]["late_rows"] and st["late_rows"]["attention"] > 0
+    assert st["window"] == lib[2]["window"] == {"scratch_cells": 0, "scratch_bytes": 0, "graphs": 0}  # no SWA layer
+    assert st["maps_bytes"] == lib[2]["maps_bytes"] == 0  # identity fill
     # GET /props tells clients the server's settings
     props = json.loads(_get(tiny.url + "/props")[1])["ridgefill"]
     assert props == {"maps": "", "split": 3, "tail": 16, "exact_fraction": 0.1, "selector": "attention", "span": 16,
@@ -453,8 +455,15 @@ def test_gemma3_ridge_maps_sliding_window_layers_and_no_checkpoints(tiny_models,
         for n in (200, 333):
             prompt = _prompt(model, n)
             res = _complete(s, prompt)
-            _assert_same(res, _library(model, prompt, rf))
-            assert res["ridgefill"]["applied"] and res["ridgefill"]["split"] == 4
+            lib = _library(model, prompt, rf, swa_full=False)
+            _assert_same(res, lib)
+            st = res["ridgefill"]
+            assert st["applied"] and st["split"] == 4
+            # the late sliding-window layers' scratch and the maps, as Llama.ridgefill_stats has them
+            assert st["window"] == lib[2]["window"] and st["window"]["scratch_cells"] == 256
+            assert st["window"]["scratch_bytes"] > 0
+            assert (st["window"]["graphs"] > 0) == (n > 256)  # window graphs once the cache has dropped rows
+            assert st["maps_bytes"] == lib[2]["maps_bytes"] > 0
         log = s.log()
     assert "--swa-full" not in log and "created context checkpoint" not in log
     assert "SWA KV cache, size = 256 cells" in log  # n_swa + n_ubatch, padded, per slot
@@ -631,6 +640,45 @@ def test_measure_server_tool_runs_end_to_end(tiny_models, tmp_path):
         assert 0 < g["median_gap_s"] <= g["max_gap_s"]
     assert d["generation_during_prefill"]["ridgefill"]["applied"] and not d["generation_during_prefill"]["exact"]["applied"]
     assert "speedup" in run.stdout and "ceiling" in run.stdout
+
+
+def test_measure_window_tool_runs_end_to_end(tiny_models, tmp_path):
+    """tools/measure/serve_window.py (memory, TTFT and retrieval on the window-sized and the full-size
+    sliding-window cache) on tiny gemma3 with its own maps: every server measured, the RidgeFill server's
+    scratch reported and bounded by the window, not by -c; the full-size servers' KV larger."""
+    import subprocess
+    import sys
+
+    from ridgefill_cpp.fitting import corpus
+    from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
+    from ridgefill_cpp.maps.mapfile import write_map_file
+
+    model = tiny_models["gemma3"]
+    fit = fit_ridge_maps(model, corpus.default_documents("calibration"), FitOptions(n_tokens=3000, ctx=128, split=4, n_threads=1))
+    maps = write_map_file(tmp_path / "gemma3.ridgefill.gguf", fit.maps, dtype="f32")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "measure" / "serve_window.py"
+    out = tmp_path / "window.json"
+    run = subprocess.run([sys.executable, str(tool), str(model), "--maps", str(maps), "--ctx", "2048",
+                          "--lengths", "300,600", "--repeats", "1", "--threads", "1", "--min-prompt", "64",
+                          "--retrieval-length", "1024", "--retrieval-prompts", "1", "--extra", "-b 64 -ub 64",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    d = json.loads(out.read_text())
+    mem = d["memory"]
+    assert set(mem) == {"stock", "RidgeFill", "stock, --swa-full", "RidgeFill, --swa-full"}
+    assert mem["RidgeFill"]["applied"] and not mem["stock"]["applied"]
+    assert mem["RidgeFill"]["context_mib"] == mem["stock"]["context_mib"] < mem["stock, --swa-full"]["context_mib"]
+    assert 0 < mem["RidgeFill"]["ridgefill_scratch_mib"] and mem["RidgeFill, --swa-full"]["ridgefill_scratch_mib"] == 0
+    assert mem["RidgeFill"]["ridgefill_maps_mib"] > 0 and all(m["peak_rss_mib"] > 0 for m in mem.values())
+    for n in ("300", "600"):
+        t = d["ttft"][n]
+        assert t["applied"] == {"stock": False, "RidgeFill": True, "RidgeFill, --swa-full": True, "stock, --swa-full": False}
+        assert t["speedup"]["stock"] == 1.0 and t["ceiling"] > 1
+        assert t["ridgefill_stats"]["window"]["graphs"] > 0 and t["ridgefill_stats_full"]["window"]["graphs"] == 0
+    r = d["retrieval"]
+    assert r["length"] == 1024 and set(r["conditions"]) == {"exact", "ridge, attention selector"}
+    assert len(r["conditions"]["exact"]["correct"]) == 5 and r["window"]["scratch_cells"] > 0
+    assert "TTFT at 600 rows" in run.stdout and "retrieval at 1024 rows" in run.stdout
 
 
 # ------------------------------------------------------------------------------------------------

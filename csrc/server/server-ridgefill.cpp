@@ -334,6 +334,7 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     stats["ceiling"]        = st.ceiling;
     stats["late_ms"]        = st.t_late_ms;
     stats["prefill_ms"]     = t_prompt_ms;
+    stats["maps_bytes"]     = maps ? llama_ridgefill_maps_n_bytes(maps) : 0;
 
     common_json graphs;
     graphs["early_built"]  = st.n_early_built;
@@ -346,6 +347,12 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     late_rows["attention"] = st.n_late_rows;
     late_rows["recurrent"] = st.n_late_rows_recr;
     stats["late_rows"] = late_rows;
+
+    common_json window;
+    window["scratch_cells"] = st.n_scratch_cells;
+    window["scratch_bytes"] = st.scratch_bytes;
+    window["graphs"]        = st.n_window_graphs;
+    stats["window"] = window;
 
     common_json times;
     times["early"]     = st.t_early_ms;

@@ -79,6 +79,8 @@ class EvalOptions:
                                      #   "protected", "protected:digits+rare", ...; settings.parse_selector)
     queries: tuple[int, ...] = ()    # more query-row counts of the attention and probe selectors
                                      #   (n_queries), each a variant of ridge at the first split
+    swa_full: bool = True            # sliding-window layers (gemma3, gpt-oss): a full-size KV cache (libllama's
+                                     #   default) or a window-sized one (llama-server's default)
 
     @classmethod
     def quick(cls, **kw) -> "EvalOptions":
@@ -212,12 +214,12 @@ def build_documents(tokenize: Callable[[str], list[int]], bos: list[int], texts:
 
 
 def open_context(model: os.PathLike | str, n_ctx: int, n_batch: int, n_threads: int | None,
-                 ridgefill: RidgeFill) -> Llama:
-    """The one context ``eval`` and ``tune`` measure every variant in (F16 cache, flash attention),
-    created with ``ridgefill`` attached (so that it is fit for RidgeFill: models with sliding-window layers get ``swa_full``);
-    each run then sets its own settings (:func:`timed_prefill`)."""
+                 ridgefill: RidgeFill, swa_full: bool = True) -> Llama:
+    """The one context ``eval`` and ``tune`` measure every variant in (F16 cache, flash attention,
+    ``swa_full``: the sliding-window layers' cache full-size or window-sized), created with
+    ``ridgefill`` attached; each run then sets its own settings (:func:`timed_prefill`)."""
     return capture.open_model(model, n_ctx=n_ctx, n_batch=n_batch, kv_f32=False, n_threads=n_threads,
-                              ridgefill=ridgefill)
+                              ridgefill=ridgefill, swa_full=swa_full)
 
 
 def timed_prefill(llm: Llama, ridgefill: RidgeFill | None, tokens: Sequence[int],
@@ -377,7 +379,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     conditions = _retrieval_conditions(options, maps[0], S0, compared)
     n_retr = len(options.depths) * options.names_per_depth
     tick = Ticker(len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions)), progress)
-    llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge)
+    llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge, options.swa_full)
     try:
         bos = bos_prefix(llm)
         tokenize = text_tokenizer(llm)
