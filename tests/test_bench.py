@@ -267,6 +267,7 @@ def test_bench_and_eval_use_the_map_files_tuned_defaults_as_serve_and_llama_do(c
 
     def capture_eval(model, maps, options, **kw):
         seen["eval"] = (options.tail, options.exact_fraction, options.selector)
+        seen["eval swa_full"] = options.swa_full
         raise Stop
 
     monkeypatch.setattr(bench, "benchmark_prefill", capture_bench)
@@ -294,6 +295,9 @@ def test_bench_and_eval_use_the_map_files_tuned_defaults_as_serve_and_llama_do(c
         assert got == (32, 0.25, "probe"), command
         got, text = run(command, plain)
         assert got == (64, 0.10, "attention") and "tuned defaults" not in text, command
+    assert seen["eval swa_full"] is True  # libllama's default: a full-size sliding-window cache
+    run("eval", plain, "--no-swa-full")
+    assert seen["eval swa_full"] is False
 
 
 def test_llama_cpp_log_lines_stay_out_of_the_output_unless_verbose(tiny_models, tmp_path):
