@@ -67,22 +67,21 @@ def memory(model: Path, rf: RidgeFill, args: list[str], prompt: list[int]) -> di
                     startup_timeout=300) as srv:
             _, stats = ttft(srv.url, prompt, with_rf)
             rss = peak_rss_mib(srv.process.pid)
-        log = srv.log()
+        log, stats = srv.log(), stats or {}
         m = list(BREAKDOWN.finditer(log))[-1]  # the one printed at exit
         kv = [{"mib": float(a), "cells": int(b), "layers": int(c)} for a, b, c in KV_SIZE.findall(log)]
-        window = (stats or {}).get("window") or {}
         out[name] = {"host_mib": int(m.group(1)), "model_mib": int(m.group(2)), "context_mib": int(m.group(3)),
                      "compute_mib": int(m.group(4)), "kv": kv, "peak_rss_mib": rss,
-                     "ridgefill_maps_mib": (stats or {}).get("maps_bytes", 0) / 2**20,
-                     "ridgefill_scratch_mib": window.get("scratch_bytes", 0) / 2**20,
-                     "applied": bool(stats and stats.get("applied"))}
+                     "ridgefill_maps_mib": stats.get("maps_bytes", 0) / 2**20,
+                     "ridgefill_scratch_mib": stats.get("window", {}).get("scratch_bytes", 0) / 2**20,
+                     "applied": bool(stats.get("applied"))}
     return out
 
 
 def ttfts(model: Path, rf: RidgeFill, args: list[str], prompts: dict[int, list[int]], repeats: int) -> dict:
     """The RidgeFill server on each cache, at once: TTFT of each length, exact and RidgeFill alternated."""
-    variants = {"stock": ("window", False), "RidgeFill": ("window", True),
-                "RidgeFill, --swa-full": ("full", True), "stock, --swa-full": ("full", False)}
+    # each variant of SERVERS as a request: the server of its cache, "ridgefill" true or false
+    variants = {name: ("full" if more else "window", with_rf) for name, (with_rf, more) in SERVERS.items()}
     with Server(model, rf, extra_args=args, startup_timeout=300) as win, \
             Server(model, rf, extra_args=[*args, "--swa-full"], startup_timeout=300) as full:
         srv = {"window": win, "full": full}
