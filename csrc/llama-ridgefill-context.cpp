@@ -161,6 +161,14 @@ llama_ridgefill_context::llama_ridgefill_context(llama_context & lctx, const lla
     const int64_t n_ctx   = lctx.get_cparams().n_ctx;
     const int64_t n_cells = caches.base->get_size();
 
+    // KQ masks computed in the graphs: where the cache of the last attention layer is in device memory
+    // (llama.cpp's masks are built on the host), or as LLAMA_RIDGEFILL_GRAPH_MASK says
+    const std::vector<uint32_t> kv_layers = caches.base->get_layer_ids();
+    graph_mask = !kv_layers.empty() && !ggml_backend_buffer_is_host(caches.base->get_k_storage(kv_layers.back())->buffer);
+    if (const char * env = getenv("LLAMA_RIDGEFILL_GRAPH_MASK")) {
+        graph_mask = atoi(env) > 0;
+    }
+
     ggml_init_params ip = {
         /*.mem_size   =*/ 3*ggml_tensor_overhead(),
         /*.mem_buffer =*/ nullptr,
@@ -373,6 +381,7 @@ llama_ridgefill_graph llama_ridgefill_context::base_graph() const {
     g.xs    = xs;
     g.xx    = xx;
     g.xs_layer = xs_layer;
+    g.graph_mask = graph_mask;
     return g;
 }
 

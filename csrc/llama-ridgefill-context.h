@@ -191,6 +191,12 @@ struct llama_ridgefill_context {
     int32_t n_early_steps = 0;
     bool    kv_min_set    = false;
 
+    // the plan's graphs compute their KQ masks from the cells' positions (llama_ridgefill_build_kq_mask)
+    // instead of llama.cpp's host-built masks: LLAMA_RIDGEFILL_GRAPH_MASK=0/1; by default where the
+    // KV cache is in device memory (a GPU), where a host mask of n_ubatch x n_kv values is built and
+    // copied for every graph
+    bool graph_mask = false;
+
     ggml_context_ptr        ctx_buf;
     ggml_backend_buffer_ptr buf;
     ggml_tensor * xs     = nullptr; // [n_embd, n_ctx]

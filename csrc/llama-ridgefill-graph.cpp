@@ -8,9 +8,13 @@
 
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-memory-hybrid.h"
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <limits>
 
 
@@ -676,7 +680,129 @@ void llama_ridgefill_build_attn(
     }
 }
 
+// the positions input of a KQ mask computed in the graph (llama_ridgefill_build_kq_mask). It is set
+// through its memory context, as llama.cpp sets its own masks; a reused early-phase graph takes the
+// memory context of the ubatch it now serves
+class llm_graph_input_ridgefill_kq_pos : public llm_graph_input_i {
+public:
+    // where the KV cache context is in a graph's memory context
+    enum which { KV, ISWA_BASE, ISWA_SWA, HYBRID_ATTN };
+
+    llm_graph_input_ridgefill_kq_pos(ggml_tensor * pos, const llama_kv_cache_context * mctx, which w) :
+        pos(pos), mctx(mctx), w(w) {}
+    virtual ~llm_graph_input_ridgefill_kq_pos() = default;
+
+    void set_input(const llama_ubatch * ubatch) override {
+        if (pos->buffer) {
+            mctx->set_input_kq_mask(pos, ubatch, true);
+        }
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        mctx = kv_context(params.mctx, w);
+        return mctx != nullptr && pos->ne[0] == (int64_t) mctx->get_n_kv() + (int64_t) params.ubatch.n_tokens;
+    }
+
+    static const llama_kv_cache_context * kv_context(const llama_memory_context_i * m, which w) {
+        switch (w) {
+            case KV:          return dynamic_cast<const llama_kv_cache_context *>(m);
+            case ISWA_BASE:
+            case ISWA_SWA: {
+                const auto * iswa = dynamic_cast<const llama_kv_cache_iswa_context *>(m);
+                return iswa == nullptr ? nullptr : w == ISWA_BASE ? iswa->get_base() : iswa->get_swa();
+            }
+            case HYBRID_ATTN: {
+                const auto * hybrid = dynamic_cast<const llama_memory_hybrid_context *>(m);
+                return hybrid == nullptr ? nullptr : hybrid->get_attn();
+            }
+        }
+        return nullptr;
+    }
+
+    ggml_tensor * pos;
+
+private:
+    const llama_kv_cache_context * mctx;
+    which w;
+};
+
+static constexpr const char * RF_KQ_POS_NAME = "ridgefill_kq_pos";
+
+bool llama_ridgefill_is_kq_pos(const ggml_tensor * t) {
+    return t != nullptr && strcmp(t->name, RF_KQ_POS_NAME) == 0;
+}
+
+ggml_tensor * llama_ridgefill_build_kq_mask(const llm_graph_context & g, const llama_kv_cache_context * mctx,
+        ggml_tensor * kq_mask, bool swa) {
+    const llama_ridgefill_graph * rf = g.rf;
+    const llama_hparams & hparams  = g.hparams;
+    const llama_swa_type  swa_type = swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE;
+    // the cases llama_ridgefill_set_input_kq_mask leaves to llama.cpp's host path
+    if (rf == nullptr || !rf->graph_mask || kq_mask == nullptr || !g.cparams.causal_attn || hparams.use_alibi ||
+        kq_mask->ne[2] != 1 || kq_mask->ne[3] != 1 || g.ubatch.n_seqs_unq != 1 ||
+        (swa_type != LLAMA_SWA_TYPE_NONE && swa_type != LLAMA_SWA_TYPE_STANDARD)) {
+        return kq_mask;
+    }
+    using input = llm_graph_input_ridgefill_kq_pos;
+    input::which w = input::KV;
+    if (g.mctx != mctx) {
+        if (const auto * iswa = dynamic_cast<const llama_kv_cache_iswa_context *>(g.mctx)) {
+            w = iswa->get_base() == mctx ? input::ISWA_BASE : input::ISWA_SWA;
+        } else {
+            w = input::HYBRID_ATTN;
+        }
+    }
+    GGML_ASSERT(input::kv_context(g.mctx, w) == mctx);
+
+    ggml_context * ctx0 = g.ctx0;
+    const int64_t n_kv     = kq_mask->ne[0];
+    const int64_t n_tokens = kq_mask->ne[1];
+
+    // [n_kv + n_tokens]: p0 of each cell (+inf: not the sequence's), then p1 + 1/2 of each row
+    ggml_tensor * pos = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, n_kv + n_tokens);
+    ggml_set_input(pos);
+    ggml_set_name(pos, RF_KQ_POS_NAME);
+    g.res->add_input(std::make_unique<input>(pos, mctx, w));
+
+    ggml_tensor * p0 = ggml_view_2d(ctx0, pos, n_kv, 1, n_kv*sizeof(float), 0);
+    ggml_tensor * p1 = ggml_view_2d(ctx0, pos, 1, n_tokens, sizeof(float), n_kv*sizeof(float));
+
+    // d = p1 - p0 + 1/2: a cell is kept when p0 <= p1 (d > 0) and, in a window of n_swa, p1 - p0 < n_swa
+    // (n_swa - d > 0), as llama_hparams::is_masked_swa; log turns 1 into 0 and 0 into -inf
+    ggml_tensor * d    = ggml_sub(ctx0, ggml_repeat_4d(ctx0, p1, n_kv, n_tokens, 1, 1), p0);
+    ggml_tensor * keep = ggml_step(ctx0, d);
+    if (swa_type == LLAMA_SWA_TYPE_STANDARD) {
+        keep = ggml_mul(ctx0, keep, ggml_step(ctx0, ggml_scale_bias(ctx0, d, -1.0f, (float) hparams.n_swa)));
+    }
+    ggml_tensor * mask = ggml_log(ctx0, keep);
+    if (kq_mask->type != GGML_TYPE_F32) {
+        mask = ggml_cast(ctx0, mask, kq_mask->type); // flash attention reads an F16 mask
+    }
+    mask = ggml_reshape_4d(ctx0, mask, n_kv, n_tokens, 1, 1);
+    ggml_set_name(mask, swa ? "ridgefill_kq_mask_swa" : "ridgefill_kq_mask");
+    return mask;
+}
+
 bool llama_ridgefill_set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn) {
+    if (llama_ridgefill_is_kq_pos(dst)) {
+        // the positions of llama_ridgefill_build_kq_mask (which checked the cases the general path needs)
+        GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer) && dst->type == GGML_TYPE_F32);
+        const int64_t n_tokens = ubatch->n_tokens;
+        const int64_t n_kv     = dst->ne[0] - n_tokens;
+        GGML_ASSERT(n_kv > 0 && ubatch->n_seqs_unq == 1);
+
+        const llama_seq_id     seq_id = ubatch->seq_id[0][0];
+        const llama_kv_cells & cells  = kv.get_cells(seq_id);
+        float * data = (float *) dst->data;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            data[j] = !cells.is_empty(j) && cells.seq_has(j, seq_id) ? (float) cells.pos_get(j) : INFINITY;
+        }
+        for (int64_t i = 0; i < n_tokens; ++i) {
+            data[n_kv + i] = (float) ubatch->pos[i] + 0.5f;
+        }
+        return true;
+    }
+
     const llama_hparams & hparams  = kv.get_hparams();
     const llama_swa_type  swa_type = kv.get_swa_type();
     if (!causal_attn || hparams.use_alibi || dst->ne[3] != 1 || ubatch->n_seqs_unq != 1 ||

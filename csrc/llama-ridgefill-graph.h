@@ -138,6 +138,10 @@ struct llama_ridgefill_graph {
     // the sliding-window cache (nullptr: none)
     const llama_ridgefill_write * wt = nullptr;
 
+    // the graph computes its KQ masks from the positions of the cells and of its rows
+    // (llama_ridgefill_build_kq_mask) instead of reading llama.cpp's host-built masks
+    bool graph_mask = false;
+
     // the graph reuse key (llm_graph_params::ridgefill_reuse): graphs of equal keys >= 0 have the same
     // topology for ubatches of the same shape (llm_graph_params::allow_reuse checks those), so the
     // scheduler's graph can be reused with new index data. Only early-phase graphs without selector
@@ -223,9 +227,26 @@ void llama_ridgefill_build_attn(
                           float   kq_scale,
                             int   il);
 
+// the KQ mask attention reads in a RidgeFill graph with graph_mask: computed in the graph from one
+// input of n_kv + n_tokens floats (the position of the sequence's row in each cell, +inf for a cell
+// that holds none; then each row's position), with the values llama_kv_cache::set_input_kq_mask
+// gives (0 kept, -inf masked; F16 where kq_mask is). llama.cpp's host-built mask (kq_mask, n_kv x
+// n_tokens) is then left out of the graph: a backend in device memory gets a small upload and a few
+// elementwise ops instead of a host loop over every (row, cell) and its copy. swa: the mask of the
+// sliding-window cache (standard windows). kq_mask itself where the graph has no graph_mask, or
+// where the host path is needed (as llama_ridgefill_set_input_kq_mask: non-causal attention, ALiBi,
+// several streams or sequences, another window type)
+ggml_tensor * llama_ridgefill_build_kq_mask(const llm_graph_context & g, const llama_kv_cache_context * mctx,
+        ggml_tensor * kq_mask, bool swa);
+
+// whether t is the positions input of llama_ridgefill_build_kq_mask (llama_kv_cache_context::set_input_kq_mask
+// passes it to llama_ridgefill_set_input_kq_mask)
+bool llama_ridgefill_is_kq_pos(const ggml_tensor * t);
+
 // the KQ mask of a late-phase graph, whose rows (of one sequence) are already in the cache at
 // scattered positions: keep the cells of the sequence at positions <= the row's (and inside the
 // window of a standard sliding-window cache), as llama_kv_cache::set_input_kq_mask would, from one
 // pass over the cells instead of a scan of every cell per row. false: the general path is needed
-// (non-causal attention, ALiBi, several streams or sequences, another window type)
+// (non-causal attention, ALiBi, several streams or sequences, another window type). dst the positions
+// input of llama_ridgefill_build_kq_mask: its positions (any graph, early or late)
 bool llama_ridgefill_set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn);

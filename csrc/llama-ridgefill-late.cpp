@@ -768,6 +768,7 @@ int llama_ridgefill_context::finish() {
     stats.n_late_rows_recr = n_late_rows_recr;
     stats.n_scratch_cells = swa_scratch ? (int32_t) swa_scratch->get_size() : 0;
     stats.n_window_graphs = timing.n_window;
+    stats.graph_kq_mask   = graph_mask ? 1 : 0;
     stats.scratch_bytes   = 0;
     for (const auto & [buft, size] : swa_scratch ? swa_scratch->memory_breakdown() : std::map<ggml_backend_buffer_type_t, size_t>()) {
         stats.scratch_bytes += (int64_t) size;

@@ -301,6 +301,10 @@ extern "C" {
         int32_t   n_scratch_cells;
         int32_t   n_window_graphs;
         int64_t   scratch_bytes;
+
+        // 1: the plan's graphs computed their KQ masks from the cells' positions (by default where the
+        // KV cache is in device memory; LLAMA_RIDGEFILL_GRAPH_MASK=0/1), 0: llama.cpp's host-built masks
+        int32_t   graph_kq_mask;
     };
 
     // statistics of the last finished plan; returns 0, or -1 without RidgeFill attached

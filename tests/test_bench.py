@@ -123,7 +123,8 @@ def test_demo_runs_on_a_tiny_model(tiny_models, cli, tmp_path, monkeypatch):
 def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
     """tools/measure/gpu_h200_check.py (the H200 figures of docs/gpu-h200) and tools/measure/results_state_correction.py
     run end to end on a CPU build: every architecture's RidgeFill prefill agrees with the oracle at
-    float32 rounding here, and the state-correction report covers the tiny hybrid's mapped GDN layer."""
+    float32 rounding here, on the window-sized sliding-window cache too, and the state-correction report
+    covers the tiny hybrid's mapped GDN layer."""
     import subprocess
     import sys
     from pathlib import Path
@@ -141,6 +142,14 @@ def test_gpu_check_and_state_correction_tools_run_on_a_cpu_build(tmp_path):
         assert r["ridgefill_host_vs_oracle"] == r["ridgefill_resident_vs_oracle"]
     assert d["agreement"]["qwen35"]["states_resident_vs_oracle"] < 1e-5
     assert d["agreement"]["qwen35"]["state_correction_vs_oracle"] < 1e-5
+    # the window-sized sliding-window cache: rows left the 256-cell cache, exact rows ran in window graphs
+    assert set(d["window"]) == {"gemma3", "gpt-oss"}
+    for arch, r in d["window"].items():
+        assert "error" not in r, (arch, r)
+        tol = 1e-3 if arch == "gemma3" else 1e-5
+        assert r["window"]["graphs"] > 0 and r["window"]["scratch_cells"] == 256, (arch, r)
+        assert r["stock_window_vs_oracle"] < tol and r["ridgefill_window_vs_oracle"] < tol, (arch, r)
+        assert r["window_vs_full"] < 1e-4, (arch, r)
 
     out = tmp_path / "statecorr.json"
     run = subprocess.run([sys.executable, str(tools / "results_state_correction.py"), "--windows", "2", "--ctx", "256",
@@ -338,9 +347,11 @@ def test_llama_cpp_log_lines_stay_out_of_the_output_unless_verbose(tiny_models, 
 def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     """tools/measure/gpu_h200.py, the device run of a GPU lease (docs/gpu-h200, issue #32), with --dry-run: the
     same shapes' structure at tiny sizes on the CPU backend, so that the script cannot rot between
-    leases. Every section runs and reports: TTFT of the four variants with the plan's statistics, the
-    per-ubatch timeline (one entry per ubatch; the RidgeFill run's last one holds the late phase), and
-    resident against host-placed maps."""
+    leases. Every section runs and reports: TTFT of stock, RidgeFill, its variants (a fixed early
+    extent; host-built KQ masks) and the first S layers, with the plan's statistics; the per-ubatch
+    timeline (one entry per ubatch, split into the host's call and the wait for the device; the RidgeFill
+    run's last one holds the late phase); resident against host-placed maps; and the model files removed
+    after each shape."""
     import subprocess
     import sys
     from pathlib import Path
@@ -351,22 +362,38 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
                           "--n-gpu-layers", "0"], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     d = json.loads((out / "gpu-run.json").read_text())
-    assert d["dry_run"] and [s["shape"] for s in d["shapes"]] == ["8b-dense-32", "8b-dense-12", "9b-hybrid-12"]
+    assert d["dry_run"] and [s["shape"] for s in d["shapes"]] == ["8b-dense-32", "9b-hybrid-12", "8b-dense-12"]
     for sh in d["shapes"]:
         assert "error" not in sh, sh
         assert [r["n"] for r in sh["rows"]] == [256, 512]
         for r in sh["rows"]:
-            assert set(r["median_s"]) == {"stock", "ridgefill", f"first {sh['split']} layers", "ridgefill, early graphs 4",
-                                          "stock (early-graphs runs)"}
+            variants = ("ridgefill, early graphs 4", "ridgefill, host masks")
+            assert set(r["median_s"]) == {"stock", "ridgefill", f"first {sh['split']} layers", *variants,
+                                          *(f"stock ({v} runs)" for v in variants)}
+            assert set(r["variant_speedups"]) == set(variants)
             assert r["ridgefill"]["n_filled"] > 0 and r["ceiling"] > 1.0
             assert set(r["ridgefill"]["times_ms"]) == {"early", "late", "build", "alloc", "set_input", "compute", "wait", "other"}
             # LLAMA_RIDGEFILL_EARLY_GRAPHS=4 reached the context: no more early graphs built than its steps
             # and the selector's ubatches
             assert r["ridgefill, early graphs 4"]["graphs"]["early_built"] <= 4 + 2, r["ridgefill, early graphs 4"]
+            # the CPU backend: host masks by default; LLAMA_RIDGEFILL_GRAPH_MASK=0 reached the context too
+            assert r["ridgefill"]["kq_mask"] == r["ridgefill, host masks"]["kq_mask"] == "host"
         tl = sh["timeline"]
         assert tl["n"] == 512 and len(tl["ridgefill"]) == len(tl["stock"]) == len(tl[f"first {sh['split']} layers"]) == 8
         assert tl["early_ms"] > 0 and tl["first_layers_ms"] > 0
+        # each ubatch split into the host's call and the wait for the device after it, which add up to it
+        for v, total in ((v, tl[v]) for v in tl["host_ms"]):
+            host, wait = tl["host_ms"][v], tl["device_wait_ms"][v]
+            assert len(host) == len(wait) == 8 and all(h > 0 and w >= 0 for h, w in zip(host, wait))
+            assert np.allclose(total, np.add(host, wait))
+        assert set(tl["host_bound_ubatches"]) == set(tl["host_ms"]) == {"ridgefill", *variants, "stock",
+                                                                        f"first {sh['split']} layers"}
     p = d["placement"]
     assert "error" not in p and p["maps_bytes"] > 0 and set(p["median_s"]) == {"resident", "host"}
     md = (out / "gpu-run.md").read_text()
     assert "## 8b-dense-32 (S = 5 of 8)" in md and "Timeline at 512 rows" in md and "## Map placement" in md
+    assert "| stock | " in md and "host-bound ubatches" in md
+    # each shape's model files are removed once it is measured (the device's disk holds 64 GiB)
+    tmp = Path(next(line for line in run.stdout.splitlines() if line.startswith("gpu-run: model files in ")).split(" in ", 1)[1])
+    assert all(f"gpu-run: {name}: " in run.stdout for name in ("8b-dense-32", "8b-dense-12", "9b-hybrid-12"))
+    assert not tmp.exists()

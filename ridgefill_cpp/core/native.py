@@ -263,6 +263,7 @@ class llama_ridgefill_stats(ctypes.Structure):
         ("n_scratch_cells", ctypes.c_int32),
         ("n_window_graphs", ctypes.c_int32),
         ("scratch_bytes", ctypes.c_int64),
+        ("graph_kq_mask", ctypes.c_int32),
     ]
 
 

@@ -198,6 +198,8 @@ STATS: Mapping[str, str] = {
                  " at most n_ubatch of them exact)}",
     "window": "a window-sized sliding-window cache (swa_full off): {scratch_cells, scratch_bytes (the late sliding-window"
               " layers' scratch cache; 0: none), graphs (late graphs over it)}",
+    "kq_mask": "'graph': the plan's graphs computed their KQ masks from the cells' positions (the default where the"
+               " KV cache is in device memory; LLAMA_RIDGEFILL_GRAPH_MASK=0/1 overrides), 'host': llama.cpp's masks",
     "maps_bytes": "bytes of the maps (0: identity fill)",
     "maps_placement": "'resident' or 'host'",
     "maps_buffers": "the ggml buffer types holding the maps",

@@ -513,6 +513,7 @@ class Llama(llama_cpp.Llama):
             "late_rows": {"attention": s.n_late_rows, "recurrent": s.n_late_rows_recr},
             "window": {"scratch_cells": s.n_scratch_cells, "scratch_bytes": s.scratch_bytes,
                        "graphs": s.n_window_graphs},
+            "kq_mask": "graph" if s.graph_kq_mask else "host",
             **self.ridgefill_memory(),
         }
         return {key: stats[key] for key in settings.STATS}  # the documented keys, in their order

@@ -22,8 +22,9 @@ For each shape, in one process, alternated and repeated (medians):
    flash attention on, F16 KV; the speedup, the ceiling 1/r and RidgeFill's ``ridgefill_stats``
    ``graphs`` and ``times_ms``;
 2. the same RidgeFill with ``LLAMA_RIDGEFILL_EARLY_GRAPHS=4`` (the fixed early extent: four early
-   graphs per plan, which CUDA graphs can then reuse), attached again to the same context and
-   alternated with stock;
+   graphs per plan, which CUDA graphs can then reuse), and with ``LLAMA_RIDGEFILL_GRAPH_MASK=0``
+   (llama.cpp's host-built KQ masks instead of masks computed in the graphs, the default on a GPU),
+   each attached again to the same context and alternated with stock;
 3. a **per-ubatch timeline** at the middle length: the prompt decoded one ubatch per
    ``llama_decode`` call with ``llama_synchronize`` after each, for RidgeFill (its early phase; the
    last call also runs the late phase) and for the first-S-layers model (stock's first S layers of
@@ -44,6 +45,7 @@ import ctypes
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -61,20 +63,25 @@ QWEN35_9B = dict(arch="qwen35", n_embd=4096, full_attention_interval=4, n_head=1
                  rope_sections=(11, 11, 10, 0), ssm_head_dim=128, ssm_n_k_heads=16, ssm_n_v_heads=32, n_ff=12288,
                  dtype="f16")
 #: name -> (model options, split, lengths)
-SHAPES = {
+SHAPES = {  # in the order of the issue's targets: what a lease that runs out of time skips comes last
     "8b-dense-32": (dict(LLAMA_8B, n_layer=32), 22, (4096, 16384, 32768)),
-    "8b-dense-12": (dict(LLAMA_8B, n_layer=12), 8, (4096, 16384, 32768)),
     "9b-hybrid-12": (dict(QWEN35_9B, n_layer=12), 8, (4096, 16384)),
+    "8b-dense-12": (dict(LLAMA_8B, n_layer=12), 8, (4096, 16384, 32768)),
 }
 #: the same structure at sizes the CPU runs in seconds (--dry-run)
 DRY = {
     "8b-dense-32": (dict(LLAMA_8B, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, n_layer=8), 5, (256, 512)),
-    "8b-dense-12": (dict(LLAMA_8B, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, n_layer=6), 4, (256, 512)),
     "9b-hybrid-12": (dict(QWEN35_9B, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_rot=8, rope_sections=(2, 1, 1, 0),
                           ssm_head_dim=16, ssm_n_k_heads=2, ssm_n_v_heads=4, n_ff=128, n_layer=8), 4, (256, 512)),
+    "8b-dense-12": (dict(LLAMA_8B, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, n_layer=6), 4, (256, 512)),
 }
 TAIL, FRACTION, SPAN = 64, 0.10, 16
 EARLY_STEPS = 4
+#: RidgeFill attached again with these settings (read when attaching), each alternated with stock: the
+#: fixed early extent (k early graphs per plan, which CUDA graphs can replay), and llama.cpp's host-built
+#: KQ masks instead of masks computed in the graphs (the default where the KV cache is on the GPU)
+VARIANTS = {f"ridgefill, early graphs {EARLY_STEPS}": {"LLAMA_RIDGEFILL_EARLY_GRAPHS": str(EARLY_STEPS)},
+            "ridgefill, host masks": {"LLAMA_RIDGEFILL_GRAPH_MASK": "0"}}
 
 
 class ReusedWeights:
@@ -146,9 +153,13 @@ def prompt(llm, n: int) -> list[int]:
         return (base * (n // len(base) + 1))[:n]
 
 
-def ubatch_timeline(llm, tokens: list[int], n_ubatch: int) -> list[float]:
-    """Milliseconds of each ubatch: the prompt decoded one ubatch per llama_decode call, synchronized
-    after each (a planned prompt stays planned across the calls; its last call runs the late phase)."""
+def ubatch_timeline(llm, tokens: list[int], n_ubatch: int) -> tuple[list[float], list[float]]:
+    """Milliseconds of each ubatch, split in two: the ``llama_decode`` call (on the host: the graph built
+    or reused, its inputs set, among them the KQ mask, and its kernels launched; the device is idle
+    when it starts) and the wait for the device after it (``llama_synchronize``: what the device still
+    had to compute). The prompt is decoded one ubatch per call, synchronized after each (a planned
+    prompt stays planned across the calls; its last call runs the late phase). On the CPU backend the
+    call computes the graph and the wait is ~0."""
     import llama_cpp
 
     from ridgefill_cpp.core import native as N
@@ -157,7 +168,7 @@ def ubatch_timeline(llm, tokens: list[int], n_ubatch: int) -> list[float]:
     ctx = llm._ctx.ctx
     llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), -1, 0, -1)
     planned = llm.ridgefill is not None and N.llama_ridgefill_begin(ctx, 0, 0, len(tokens)) == 1
-    out = []
+    calls, waits = [], []
     batch = llama_cpp.llama_batch_init(n_ubatch, 0, 1)
     try:
         for start in range(0, len(tokens), n_ubatch):
@@ -169,17 +180,19 @@ def ubatch_timeline(llm, tokens: list[int], n_ubatch: int) -> list[float]:
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = start + i == len(tokens) - 1
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed in the timeline run")
+            t1 = time.perf_counter()
             llama_cpp.llama_synchronize(ctx)
-            out.append((time.perf_counter() - t) * 1e3)
+            calls.append((t1 - t0) * 1e3)
+            waits.append((time.perf_counter() - t1) * 1e3)
     finally:
         llama_cpp.llama_batch_free(batch)
         if planned:
             N.llama_ridgefill_cancel(ctx)
         llm.reset()
-    return out
+    return calls, waits
 
 
 def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, args, deadline: float) -> dict:
@@ -196,23 +209,25 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
               n_gpu_layers=args.n_gpu_layers, flash_attn=True)
     rf_setting = RidgeFill.identity(split, tail=TAIL, exact_fraction=FRACTION, selector="attention", span=SPAN,
                                     min_prompt=0)
-    early = f"ridgefill, early graphs {EARLY_STEPS}"
 
-    def early_graphs(llm, on: bool) -> None:
-        """Attach RidgeFill again with LLAMA_RIDGEFILL_EARLY_GRAPHS set or not (read when attaching)."""
-        if on:
-            os.environ["LLAMA_RIDGEFILL_EARLY_GRAPHS"] = str(EARLY_STEPS)
-        else:
-            os.environ.pop("LLAMA_RIDGEFILL_EARLY_GRAPHS", None)
+    def attach(llm, variant: str | None) -> None:
+        """Attach RidgeFill again with the settings of a VARIANTS entry (None: the defaults)."""
+        for env in VARIANTS.values():
+            for key in env:
+                os.environ.pop(key, None)
+        os.environ.update(VARIANTS.get(variant, {}))
         llm.set_ridgefill(rf_setting)
 
     def plan_stats(llm) -> dict:
         st = llm.ridgefill_stats
-        return {k: st.get(k) for k in ("ceiling", "n_filled", "n_exact", "graphs", "times_ms", "late_ms", "prefill_ms")}
+        return {k: st.get(k) for k in ("ceiling", "n_filled", "n_exact", "graphs", "times_ms", "late_ms", "prefill_ms",
+                                       "kq_mask")}
 
     t0 = time.perf_counter()
-    os.environ.pop("LLAMA_RIDGEFILL_EARLY_GRAPHS", None)
-    # one context per model file (the RidgeFill one is attached again for the early-graphs runs): an
+    for env in VARIANTS.values():
+        for key in env:
+            os.environ.pop(key, None)
+    # one context per model file (the RidgeFill one is attached again for the variants' runs): an
     # 8B-wide model at 32 layers takes 15 GB of device memory per copy
     llms = {"stock": Llama(str(model), **kw), "ridgefill": Llama(str(model), ridgefill=rf_setting, **kw),
             f"first {split} layers": Llama(str(first), **kw)}
@@ -226,18 +241,20 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
                 continue
             times, logits = alternated_ttft(llms, tokens[:n], args.repeats)
             row = {"n": n, "ridgefill": plan_stats(llms["ridgefill"])}
-            # the fixed early extent: RidgeFill attached again with it, against stock in the same alternation
-            early_graphs(llms["ridgefill"], True)
-            try:
-                t_early, _ = alternated_ttft({"stock": llms["stock"], "ridgefill": llms["ridgefill"]}, tokens[:n], args.repeats)
-                row[early] = plan_stats(llms["ridgefill"])
-            finally:
-                early_graphs(llms["ridgefill"], False)
-            times[early], times["stock (early-graphs runs)"] = t_early["ridgefill"], t_early["stock"]
+            # each variant: RidgeFill attached again with it, against stock in the same alternation
+            for variant in VARIANTS:
+                attach(llms["ridgefill"], variant)
+                try:
+                    t_var, _ = alternated_ttft({"stock": llms["stock"], "ridgefill": llms["ridgefill"]}, tokens[:n],
+                                               args.repeats)
+                    row[variant] = plan_stats(llms["ridgefill"])
+                finally:
+                    attach(llms["ridgefill"], None)
+                times[variant], times[f"stock ({variant} runs)"] = t_var["ridgefill"], t_var["stock"]
             med = {k: statistics.median(v) for k, v in times.items()}
             row.update({"median_s": med, "times_s": times,
                         "speedup": med["stock"] / med["ridgefill"],
-                        f"speedup_early_graphs_{EARLY_STEPS}": med["stock (early-graphs runs)"] / med[early],
+                        "variant_speedups": {v: med[f"stock ({v} runs)"] / med[v] for v in VARIANTS},
                         "first_layers_speedup": med["stock"] / med[f"first {split} layers"],
                         "kl_vs_stock": kl_divergence(logits["stock"], logits["ridgefill"])})
             row["ceiling"] = row["ridgefill"]["ceiling"]
@@ -249,16 +266,19 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
         n = lengths[len(lengths) // 2]
         if time.perf_counter() < deadline:
             tl = {"n": n, "n_ubatch": n_ubatch, "split": split}
-            for variant in ("ridgefill", early, f"first {split} layers", "stock"):
-                llm = llms["ridgefill" if variant == early else variant]
-                if variant == early:
-                    early_graphs(llm, True)
+            for variant in ("ridgefill", *VARIANTS, f"first {split} layers", "stock"):
+                llm = llms["ridgefill" if variant in VARIANTS else variant]
+                if variant in VARIANTS:
+                    attach(llm, variant)
                 try:
                     ubatch_timeline(llm, tokens[:n], n_ubatch)  # warm
-                    tl[variant] = ubatch_timeline(llm, tokens[:n], n_ubatch)
+                    calls, waits = ubatch_timeline(llm, tokens[:n], n_ubatch)
+                    tl[variant] = [a + b for a, b in zip(calls, waits)]
+                    tl.setdefault("host_ms", {})[variant] = calls
+                    tl.setdefault("device_wait_ms", {})[variant] = waits
                 finally:
-                    if variant == early:
-                        early_graphs(llm, False)
+                    if variant in VARIANTS:
+                        attach(llm, None)
             rf, fs = tl["ridgefill"], tl[f"first {split} layers"]
             tl["early_ms"] = sum(rf[:-1])
             tl["first_layers_ms"] = sum(fs[:-1])
@@ -267,6 +287,12 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
             tl["early_over_s_over_l_of_stock"] = tl["early_ms"] / (sum(tl["stock"][:-1]) * split / opts["n_layer"])
             tl["ubatches_over_5pct"] = [i for i, (a, b) in enumerate(zip(rf[:-1], fs[:-1])) if a > 1.05 * b]
             tl["last_ubatch_ms"] = {"ridgefill (early + late phase)": rf[-1], "first layers": fs[-1]}
+            # host-bound ubatches: the call (graph, inputs, launch) took longer than the device's work after it.
+            # Without the synchronization the next call's host work overlaps this one's device work, so a
+            # prefill whose ubatches are host-bound runs at the host's pace, whatever the device does
+            tl["host_bound_ubatches"] = {v: sum(1 for a, b in zip(tl["host_ms"][v][:-1], tl["device_wait_ms"][v][:-1]) if a > b)
+                                         for v in tl["host_ms"]}
+            tl["host_ms_per_ubatch"] = {v: statistics.median(c[:-1]) if len(c) > 1 else c[0] for v, c in tl["host_ms"].items()}
             res["timeline"] = tl
     finally:
         for llm in llms.values():
@@ -316,16 +342,19 @@ def markdown(result: dict) -> str:
             lines += [f"**{sh['shape']}**: {sh['error']}", ""]
             continue
         s = sh["split"]
-        lines += [f"## {sh['shape']} (S = {s} of {sh['options']['n_layer']})", "",
-                  f"| rows | stock | RidgeFill | speedup | ceiling | of ceiling | early graphs {EARLY_STEPS} | first {s} layers "
+        masks = {r["ridgefill"].get("kq_mask") for r in sh["rows"]}
+        lines += [f"## {sh['shape']} (S = {s} of {sh['options']['n_layer']}; RidgeFill's KQ masks: {', '.join(map(str, masks))})", "",
+                  "| rows | stock | RidgeFill | speedup | ceiling | of ceiling | "
+                  + " | ".join(v.replace("ridgefill, ", "") for v in VARIANTS) + f" | first {s} layers "
                   "| early / late ms | late build / alloc / set_input / compute / wait / other ms | graphs (early b/r, late b) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|" + "---|" * len(VARIANTS) + "---|---|---|---|"]
         for r in sh["rows"]:
             m, st = r["median_s"], r["ridgefill"]
             t, g = st.get("times_ms") or {}, st.get("graphs") or {}
             lines.append(
                 f"| {r['n']} | {m['stock'] * 1e3:.0f} ms | {m['ridgefill'] * 1e3:.0f} ms | {r['speedup']:.2f}x | "
-                f"{r['ceiling']:.2f} | {r['fraction_of_ceiling']:.2f} | {r[f'speedup_early_graphs_{EARLY_STEPS}']:.2f}x | "
+                f"{r['ceiling']:.2f} | {r['fraction_of_ceiling']:.2f} | "
+                + "".join(f"{r['variant_speedups'][v]:.2f}x | " for v in VARIANTS) +
                 f"{r['first_layers_speedup']:.2f}x | {t.get('early', 0):.0f} / {t.get('late', 0):.0f} | "
                 + " / ".join(f"{t.get(k, 0):.0f}" for k in ("build", "alloc", "set_input", "compute", "wait", "other"))
                 + f" | {g.get('early_built')}/{g.get('early_reused')}, {g.get('late_built')} |")
@@ -336,7 +365,12 @@ def markdown(result: dict) -> str:
                       f"({tl['early_over_first_layers']:.2f}x; {tl['early_over_s_over_l_of_stock']:.2f}x of S/L of stock's "
                       f"{tl['stock_ms']:.0f} ms); ubatches more than 5 % slower: {tl['ubatches_over_5pct'] or 'none'}; "
                       f"last call {tl['last_ubatch_ms']['ridgefill (early + late phase)']:.0f} ms (early + late phase) "
-                      f"against {tl['last_ubatch_ms']['first layers']:.0f} ms."]
+                      f"against {tl['last_ubatch_ms']['first layers']:.0f} ms.", "",
+                      "| variant | ms per ubatch (median) | of it on the host (call) | host-bound ubatches |", "|---|---|---|---|"]
+            for v, calls in tl["host_ms"].items():
+                tot = [a + b for a, b in zip(calls, tl["device_wait_ms"][v])]
+                lines.append(f"| {v} | {statistics.median(tot[:-1] or tot):.1f} | {tl['host_ms_per_ubatch'][v]:.1f} | "
+                             f"{tl['host_bound_ubatches'][v]} of {len(calls) - 1} |")
         lines.append("")
     p = result.get("placement")
     if p and "error" not in p:
@@ -384,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
               "shapes": []}
     print(json.dumps({"build": info.get("backends"), "device": device}), flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="ridgefill-gpu-run-"))
+    print(f"gpu-run: model files in {tmp}", flush=True)
 
     def save():
         result["elapsed_s"] = time.perf_counter() - start
@@ -403,13 +438,20 @@ def main(argv: list[str] | None = None) -> int:
         if name == "8b-dense-32" and not args.no_placement:
             if time.perf_counter() > deadline:
                 result["placement"] = {"error": "skipped: over the time budget"}
-                continue
-            try:
-                result["placement"] = placement(name, opts, split, lengths[len(lengths) // 2], tmp, args)
-            except Exception as e:
-                traceback.print_exc()
-                result["placement"] = {"error": f"{type(e).__name__}: {e}"}
+            else:
+                try:
+                    result["placement"] = placement(name, opts, split, lengths[len(lengths) // 2], tmp, args)
+                except Exception as e:
+                    traceback.print_exc()
+                    result["placement"] = {"error": f"{type(e).__name__}: {e}"}
             save()
+        # the shape's model and map files (up to 26 GB): the device's disk holds 64 GiB
+        files = list(tmp.glob(f"{name}*"))
+        size = sum(f.stat().st_size for f in files)
+        for f in files:
+            f.unlink()
+        print(f"gpu-run: {name}: {len(files)} model files removed ({size / 1e9:.1f} GB)", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     save()
     (args.out / "gpu-run.md").write_text(markdown(result))
     print(markdown(result), flush=True)

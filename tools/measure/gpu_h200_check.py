@@ -8,7 +8,8 @@ make native``, or the libraries of ``tools/check_cuda_build.sh`` pointed to by
    prefill with ridge maps on the GPU against the oracle's ``fill_forward`` with the same exact
    rows (relative error of the last-row logits; qwen35 also its final recurrent states, and the
    terminal-state correction), stock GPU prefill against the oracle's exact forward, and host-placed
-   against resident maps.
+   against resident maps; then the window-sized sliding-window cache (gemma3 and gpt-oss at 1,000
+   rows, window graphs over the scratch cache) against the oracle and the full-size cache.
 2. **Speed** (a Qwen3.5-shaped synthetic hybrid, 12 layers, d = 768, F16): stock and RidgeFill
    prefill alternated, median TTFT, speedup and the ceiling 1/r of docs/design.md §4.
 
@@ -189,6 +190,61 @@ def speed(tmp: pathlib.Path, lengths: list[int], repeats: int, n_gpu_layers: int
     return out
 
 
+def window_agreement(tmp: pathlib.Path, n_gpu_layers: int) -> dict:
+    """The window-sized sliding-window cache (``swa_full=False``, docs/design.md §6.6) on the device: the
+    tiny gemma3 and gpt-oss models at 1,000 rows, where rows leave the 256-cell cache and exact rows run
+    in window graphs over the scratch cache. RidgeFill (identity fill, given exact rows: a tenth at
+    random and a run of twice the window) against the oracle and against the same plan on a full-size
+    cache; stock on the window-sized cache against the oracle's exact forward."""
+    import torch
+
+    from ridgefill_cpp.testing import tiny_models as mtm
+    from ridgefill_cpp import Llama, RidgeFill
+    from ridgefill_cpp.quality.bench import last_logits
+    from ridgefill_cpp.oracle import load_oracle
+    from ridgefill_cpp.oracle.fill import fill_forward
+
+    out = {}
+    n, tail = 1000, 16
+    kw = dict(n_ctx=1024, n_batch=64, n_ubatch=16, verbose=False, flash_attn=False, type_k=F32, type_v=F32,
+              n_gpu_layers=n_gpu_layers)
+    for arch in ("gemma3", "gpt-oss"):
+        r = out[arch] = {}
+        try:
+            model = mtm.make_tiny_model(arch, tmp / f"tiny-{arch}.gguf", seed=0)
+            o = load_oracle(model, dtype=torch.float64)
+            S = o.n_layer // 2
+            tokens = eval_tokens(model, n)
+            if len(tokens) != n:
+                raise ValueError(f"{len(tokens)} evaluation tokens, not {n}")
+            rng = np.random.default_rng(0)
+            exact = sorted(set(rng.choice(n - tail, size=(n - tail) // 10, replace=False).tolist())
+                           | set(range(n // 3, n // 3 + 32)))
+            ref = fill_forward(o, tokens, split=S, maps=None, tail=tail, exact_positions=exact, value_rescale=512)
+            ref_exact = fill_forward(o, tokens, split=o.n_layer, tail=tail)
+            logits = {}
+            for swa_full in (False, True):
+                llm = Llama(str(model), ridgefill=RidgeFill.identity(S, tail=tail, selector=exact, min_prompt=0),
+                            swa_full=swa_full, **kw)
+                llm.eval(tokens)
+                logits[swa_full] = last_logits(llm)
+                if not swa_full:
+                    r["window"] = llm.ridgefill_stats["window"]
+                llm.close()
+            stock = Llama(str(model), swa_full=False, **kw)
+            stock.eval(tokens)
+            r["stock_window_vs_oracle"] = rel(last_logits(stock), ref_exact.last_logits.numpy())
+            stock.close()
+            r["ridgefill_window_vs_oracle"] = rel(logits[False], ref.last_logits.numpy())
+            r["ridgefill_full_vs_oracle"] = rel(logits[True], ref.last_logits.numpy())
+            r["window_vs_full"] = rel(logits[False], logits[True])
+        except Exception as e:  # report and go on with the next architecture
+            r["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        print(f"{arch} window-sized cache", json.dumps(r), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gpu-check"))
@@ -212,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"build": info}
     if not args.skip_agreement:
         result["agreement"] = agreement(tmp, args.n_gpu_layers)
+        (args.out / "gpu-check.json").write_text(json.dumps(result, indent=1))
+        result["window"] = window_agreement(tmp, args.n_gpu_layers)
     (args.out / "gpu-check.json").write_text(json.dumps(result, indent=1))
     if not args.skip_speed:
         try:
