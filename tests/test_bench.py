@@ -391,7 +391,7 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     p = d["placement"]
     assert "error" not in p and p["maps_bytes"] > 0 and set(p["median_s"]) == {"resident", "host"}
     md = (out / "gpu-run.md").read_text()
-    assert "## 8b-dense-32 (S = 5 of 8)" in md and "Timeline at 512 rows" in md and "## Map placement" in md
+    assert "## 8b-dense-32 (S = 5 of 8; RidgeFill's KQ masks: host)" in md and "Timeline at 512 rows" in md and "## Map placement" in md
     assert "| stock | " in md and "host-bound ubatches" in md
     # each shape's model files are removed once it is measured (the device's disk holds 64 GiB)
     tmp = Path(next(line for line in run.stdout.splitlines() if line.startswith("gpu-run: model files in ")).split(" in ", 1)[1])
