@@ -728,6 +728,15 @@ private:
 
 static constexpr const char * RF_KQ_POS_NAME = "ridgefill_kq_pos";
 
+// whether a KQ mask follows from the cells' positions alone (one sequence in one stream, causal, no
+// ALiBi, no window or a standard one): llama_ridgefill_set_input_kq_mask on the host and
+// llama_ridgefill_build_kq_mask in the graph; otherwise llama.cpp's general path builds it
+static bool rf_mask_from_positions(bool causal_attn, const llama_hparams & hparams, llama_swa_type swa_type,
+        int64_t n_stream, uint32_t n_seqs_unq) {
+    return causal_attn && !hparams.use_alibi && n_stream == 1 && n_seqs_unq == 1 &&
+           (swa_type == LLAMA_SWA_TYPE_NONE || swa_type == LLAMA_SWA_TYPE_STANDARD);
+}
+
 bool llama_ridgefill_is_kq_pos(const ggml_tensor * t) {
     return t != nullptr && strcmp(t->name, RF_KQ_POS_NAME) == 0;
 }
@@ -737,10 +746,8 @@ ggml_tensor * llama_ridgefill_build_kq_mask(const llm_graph_context & g, const l
     const llama_ridgefill_graph * rf = g.rf;
     const llama_hparams & hparams  = g.hparams;
     const llama_swa_type  swa_type = swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE;
-    // the cases llama_ridgefill_set_input_kq_mask leaves to llama.cpp's host path
-    if (rf == nullptr || !rf->graph_mask || kq_mask == nullptr || !g.cparams.causal_attn || hparams.use_alibi ||
-        kq_mask->ne[2] != 1 || kq_mask->ne[3] != 1 || g.ubatch.n_seqs_unq != 1 ||
-        (swa_type != LLAMA_SWA_TYPE_NONE && swa_type != LLAMA_SWA_TYPE_STANDARD)) {
+    if (rf == nullptr || !rf->graph_mask || kq_mask == nullptr || kq_mask->ne[2] != 1 ||
+        !rf_mask_from_positions(g.cparams.causal_attn, hparams, swa_type, kq_mask->ne[3], g.ubatch.n_seqs_unq)) {
         return kq_mask;
     }
     using input = llm_graph_input_ridgefill_kq_pos;
@@ -805,8 +812,7 @@ bool llama_ridgefill_set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * 
 
     const llama_hparams & hparams  = kv.get_hparams();
     const llama_swa_type  swa_type = kv.get_swa_type();
-    if (!causal_attn || hparams.use_alibi || dst->ne[3] != 1 || ubatch->n_seqs_unq != 1 ||
-        (swa_type != LLAMA_SWA_TYPE_NONE && swa_type != LLAMA_SWA_TYPE_STANDARD)) {
+    if (!rf_mask_from_positions(causal_attn, hparams, swa_type, dst->ne[3], ubatch->n_seqs_unq)) {
         return false;
     }
     GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));

@@ -84,6 +84,14 @@ VARIANTS = {f"ridgefill, early graphs {EARLY_STEPS}": {"LLAMA_RIDGEFILL_EARLY_GR
             "ridgefill, host masks": {"LLAMA_RIDGEFILL_GRAPH_MASK": "0"}}
 
 
+def variant_env(variant: str | None) -> None:
+    """The environment of a VARIANTS entry (None: none of their settings), for the next attach."""
+    for env in VARIANTS.values():
+        for key in env:
+            os.environ.pop(key, None)
+    os.environ.update(VARIANTS.get(variant, {}))
+
+
 class ReusedWeights:
     """A stand-in for ``tiny_gguf.WeightFactory`` whose random tensors are drawn once per shape and
     reused: speed runs need the shapes, not the values."""
@@ -212,10 +220,7 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
 
     def attach(llm, variant: str | None) -> None:
         """Attach RidgeFill again with the settings of a VARIANTS entry (None: the defaults)."""
-        for env in VARIANTS.values():
-            for key in env:
-                os.environ.pop(key, None)
-        os.environ.update(VARIANTS.get(variant, {}))
+        variant_env(variant)
         llm.set_ridgefill(rf_setting)
 
     def plan_stats(llm) -> dict:
@@ -224,9 +229,7 @@ def run_shape(name: str, opts: dict, split: int, lengths, tmp: pathlib.Path, arg
                                        "kq_mask")}
 
     t0 = time.perf_counter()
-    for env in VARIANTS.values():
-        for key in env:
-            os.environ.pop(key, None)
+    variant_env(None)
     # one context per model file (the RidgeFill one is attached again for the variants' runs): an
     # 8B-wide model at 32 layers takes 15 GB of device memory per copy
     llms = {"stock": Llama(str(model), **kw), "ridgefill": Llama(str(model), ridgefill=rf_setting, **kw),
@@ -368,7 +371,7 @@ def markdown(result: dict) -> str:
                       f"against {tl['last_ubatch_ms']['first layers']:.0f} ms.", "",
                       "| variant | ms per ubatch (median) | of it on the host (call) | host-bound ubatches |", "|---|---|---|---|"]
             for v, calls in tl["host_ms"].items():
-                tot = [a + b for a, b in zip(calls, tl["device_wait_ms"][v])]
+                tot = tl[v]  # call + wait of each ubatch
                 lines.append(f"| {v} | {statistics.median(tot[:-1] or tot):.1f} | {tl['host_ms_per_ubatch'][v]:.1f} | "
                              f"{tl['host_bound_ubatches'][v]} of {len(calls) - 1} |")
         lines.append("")
