@@ -22,6 +22,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -456,13 +457,20 @@ struct llama_ridgefill_maps_loader {
         maps.host = params.host;
     }
 
-    // the content digests fit wrote: one "NAME HEX" per tensor, XXH64 of its bytes (files written
-    // before digests existed have none, and load with a warning)
+    // the content digests fit wrote: one "NAME HEX" per tensor, XXH64 of its bytes. A file without
+    // one (written before digests existed, or its key removed) is refused unless
+    // LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1: a changed byte in it could not be detected
     void read_digests() {
         const int64_t id = meta().find(RIDGEFILL_KEY_DIGEST, false);
         if (id < 0) {
-            LLAMA_LOG_WARN("%s: %s has no content digest (%s; written before digests existed): "
-                    "corrupted map weights cannot be detected; fit the maps again to add one\n", __func__, path.c_str(), RIDGEFILL_KEY_DIGEST);
+            const char * env = getenv("LLAMA_RIDGEFILL_ALLOW_UNDIGESTED");
+            if (env == nullptr || atoi(env) <= 0) {
+                fail(format("the file has no content digest (%s), so corrupted map weights could not be detected: "
+                        "add one with `ridgefill-gguf digest FILE` if you trust its bytes (or fit the maps again), "
+                        "or set LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1 to load it unchecked", RIDGEFILL_KEY_DIGEST));
+            }
+            LLAMA_LOG_WARN("%s: %s has no content digest (%s), loaded unchecked (LLAMA_RIDGEFILL_ALLOW_UNDIGESTED): "
+                    "corrupted map weights cannot be detected; `ridgefill-gguf digest` adds one\n", __func__, path.c_str(), RIDGEFILL_KEY_DIGEST);
             return;
         }
         if (gguf_get_kv_type(ctx_gguf.get(), id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx_gguf.get(), id) != GGUF_TYPE_STRING) {

@@ -50,8 +50,8 @@ extern "C" {
     // load the maps of a map file and check them against the model: file type and format version,
     // architecture, n_layer, n_embd, split, the range of every number in its metadata (an
     // input_norm_eps in [0, LLAMA_RIDGEFILL_MAX_NORM_EPS]), the list of mapped layers, tensor names,
-    // shapes, types, each tensor's content digest (ridgefill.digest.xxh64, XXH64 of its bytes, when
-    // the file has one) and finite values, and with params.model_path the fingerprint of the model
+    // shapes, types, each tensor's content digest (ridgefill.digest.xxh64, XXH64 of its bytes; a file
+    // without one is refused unless LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1) and finite values, and with params.model_path the fingerprint of the model
     // file the maps were fitted on. Returns NULL on any mismatch; llama_ridgefill_last_error() says
     // what did not match, naming the key or the tensor.
     LLAMA_API struct llama_ridgefill_maps * llama_ridgefill_maps_init(
@@ -76,7 +76,8 @@ extern "C" {
     // the largest RMS-norm epsilon a map file may record (models use 1e-6 .. 1e-5)
     #define LLAMA_RIDGEFILL_MAX_NORM_EPS 1e-2f
 
-    // whether every tensor was checked against the file's content digest (false: the file has none)
+    // whether every tensor was checked against the file's content digest (false: the file has none and
+    // was loaded with LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1; without it such a file is refused)
     LLAMA_API bool        llama_ridgefill_maps_digest_checked(const struct llama_ridgefill_maps * maps);
 
     // whether the maps were loaded for host placement (llama_ridgefill_maps_params.host)

@@ -70,14 +70,13 @@ def _check_output_file(path: Path, *, force: bool = True) -> None:
 
 
 def _check_output_dir(path: Path, option: str) -> None:
-    """An output directory (created if missing), checked before the work starts."""
-    if path.exists() and not path.is_dir():
-        _fail(f"{option} {path} exists and is not a directory")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        _fail(f"{option} {path}: {existing} is not a writable directory")
+    """An output directory (created when the files are written), checked before the work starts."""
+    from .core.files import OutputPathError, check_output_dir
+
+    try:
+        check_output_dir(path, option=option)
+    except OutputPathError as e:
+        _fail(str(e))
 
 
 def _version_callback(value: bool) -> None:
@@ -295,7 +294,8 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
                    "RidgeFill(placement=\"host\"); the same bytes either way"),
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
         ("content digest", "XXH64 of every tensor, checked: the weights are as written" if meta.digest else
-                           "none (written before map files had one): corrupted weights cannot be detected; fit again to add one"),
+                           "none (written before map files had one): corrupted weights cannot be detected, so "
+                           "libllama refuses the file; `ridgefill-gguf digest FILE` adds one"),
     ]:
         t.add_row(k, v)
     if gains:
@@ -657,7 +657,10 @@ def bench(
     if json_out:
         from .core.files import write_bytes
 
-        write_bytes(json_out, json.dumps(res.as_dict(), indent=2).encode())
+        try:
+            write_bytes(json_out, json.dumps(res.as_dict(), indent=2).encode())
+        except OSError as e:
+            _fail(f"--json {json_out}: could not write it: {e.strerror or e}")
         out.print(f"wrote {json_out}", highlight=False)
 
 
@@ -719,7 +722,10 @@ def eval_cmd(
                            progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
         except (ValueError, MapFileError) as e:
             _fail(str(e))
-    paths = write_report(res, out_dir, time.perf_counter() - t0)
+    try:
+        paths = write_report(res, out_dir, time.perf_counter() - t0)
+    except OSError as e:
+        _fail(f"--out {out_dir}: could not write the report: {e.strerror or e}")
     for n, s in res.summary.items():
         t = Table(title=f"{Path(res.model).name}, {n}-token prompts: ΔNLL vs exact (nats, 95 % CI, {len(res.docs[n]['exact'])} documents)")
         for col in ("variant", "novel", "key", "all", "speed"):
@@ -850,6 +856,34 @@ def rpc_server_cmd(
         args.append("-c")
     sys.stdout.flush()
     os.execv(binary, args)
+
+
+@app.command("digest")
+def digest_cmd(
+    maps: Path = typer.Argument(..., help="A RidgeFill map file (*.ridgefill.gguf)."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Write the file with its digest here instead of replacing MAPS (atomically either way)."),
+) -> None:
+    """Give a map file written before map files carried a content digest (ridgefill.digest.xxh64) one:
+    the XXH64 of every tensor as its bytes are now, so that any later change to them is refused at load.
+    Without one, libllama, Llama and llama-server refuse the file (unless
+    LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1). Only for a file whose bytes you trust: a digest vouches for
+    what is there. A file that has a digest is checked against it and left as it is."""
+    from .maps.mapfile import MapFileError, add_digest
+
+    if output is not None:
+        _check_output_file(output)
+    else:
+        _check_output_file(maps.resolve())
+    try:
+        path, written = add_digest(maps, output)
+    except (MapFileError, OSError) as e:
+        _fail(str(e))
+    if written:
+        out.print(f"wrote {path}: a content digest (XXH64) of each of its tensors", highlight=False)
+    else:
+        out.print(f"{path} already has a content digest: checked, every tensor is as written; nothing to do",
+                  highlight=False)
 
 
 @app.command("models")
@@ -1043,7 +1077,8 @@ def tune_cmd(
 
     from .core.gguf_model import GGUFFileError
     from .maps.mapfile import MapFileError
-    from .quality.tune import NoFeasibleSetting, TuneOptions, tune, write_tune_report
+    from .core.files import OutputPathError
+    from .quality.tune import NoFeasibleSetting, TuneOptions, check_writable_maps, tune, write_chosen
 
     ts = None if tails is None else _number_list(tails, "--tails", int)
     fs = None if fractions is None else _number_list(fractions, "--fractions", float)
@@ -1055,6 +1090,11 @@ def tune_cmd(
         _fail(f"--selector must be one of {settings.names(settings.SELECTORS)}, not {selector!r}")
     if out_dir is not None:
         _check_output_dir(out_dir, "--out")
+    if not dry_run:  # the chosen map file gets the tuned defaults at the end: checked now, not after the work
+        try:
+            check_writable_maps(maps)
+        except OutputPathError as e:
+            _fail(f"--maps: {e}")
     texts = _read_text_option(text)
     options = TuneOptions(n_threads=threads, strict=strict,
                           **_given(tails=ts and tuple(ts), fractions=fs and tuple(fs), spans=ws and tuple(ws),
@@ -1066,20 +1106,32 @@ def tune_cmd(
                   console=err) as bar:
         task = bar.add_task("", total=None)
         try:
-            res = tune(model, maps, budget, options, texts=texts, write=not dry_run,
+            # nothing is written until every figure is in and the report (if any) is out
+            res = tune(model, maps, budget, options, texts=texts, write=False,
                        progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
         except NoFeasibleSetting as e:
             res, failure = e.result, str(e)
         except (ValueError, MapFileError, GGUFFileError) as e:
             _fail(str(e))
+    # the report first (also when nothing is feasible: what was measured is kept), then the map file,
+    # last and atomically; the report names it as written, and is written again if that fails
+    if failure is None and not dry_run:
+        res.written = str(Path(res.best.maps).resolve())
+    paths = _write_tune_report(res, out_dir) if out_dir is not None else []
+    if res.written is not None:
+        try:
+            write_chosen(res)
+        except (OSError, ValueError) as e:
+            res.written = None
+            if out_dir is not None:
+                _write_tune_report(res, out_dir)
+            _fail(f"could not write the tuned defaults into {res.best.maps}: {e} (the file is as it was)")
     if as_json:
         d = res.as_dict()
         d["error"] = failure
         print(json.dumps(d, indent=2, allow_nan=False))
     else:
         _show_tune(res)
-    # the report also when nothing is feasible: what was measured is kept (the map files are not touched)
-    paths = write_tune_report(res, out_dir) if out_dir is not None else []
     if failure:
         if paths and not as_json:
             err.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
@@ -1100,6 +1152,16 @@ def tune_cmd(
         out.print(f"dry run: {best.maps} was not modified", highlight=False)
     if paths:
         out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+def _write_tune_report(res, out_dir: Path) -> list[Path]:
+    from .quality.tune import write_tune_report
+
+    try:
+        return write_tune_report(res, out_dir)
+    except OSError as e:
+        _fail(f"--out {out_dir}: could not write the report: {e.strerror or e} "
+              f"({'nothing was written into the map file' if res.written else 'the map files are as they were'})")
 
 
 def _show_tune(res) -> None:

@@ -410,11 +410,29 @@ def test_silently_corrupted_weights_are_refused_naming_the_tensor(tmp_path, edit
         read_map_file(bad)
 
 
-def test_a_file_without_digests_still_reads_and_a_rewrite_adds_one(tmp_path):
-    old = without_digest(write_map_file(tmp_path / "m.gguf", _maps()), tmp_path / "old.gguf")
+def test_a_file_without_digests_reads_but_only_add_digest_gives_it_one(tmp_path):
+    """A file without a digest can be inspected (``info`` says it has none), but a rewrite (``tune``'s
+    tuned defaults) no longer gives it a fresh digest on the way: only :func:`add_digest`
+    (``ridgefill-gguf digest``) does, on purpose; a file that has one is only checked."""
+    good = write_map_file(tmp_path / "m.gguf", _maps())
+    old = without_digest(good, tmp_path / "old.gguf")
     assert read_map_file(old).meta.digest == ""
-    out = mapfile.rewrite_map_file(old, tmp_path / "rewritten.gguf")
-    assert read_map_file(out).meta.digest == "xxh64"
+    before = old.read_bytes()
+    with pytest.raises(MapFileError, match=r"old\.gguf: the file has no content digest \(ridgefill\.digest\.xxh64\), so "
+                                           r"corrupted weights could not be detected and would be given a fresh digest "
+                                           r"here: add one with `ridgefill-gguf digest FILE`"):
+        mapfile.write_tuned_defaults(old, {"tail": 32, "exact_fraction": 0.1, "selector": "attention"})
+    assert old.read_bytes() == before
+    out, written = mapfile.add_digest(old, tmp_path / "digested.gguf")
+    assert written and read_map_file(out).meta.digest == "xxh64" and old.read_bytes() == before
+    assert out.read_bytes() == good.read_bytes()  # the digest the writer gives: the same file as written by fit
+    assert mapfile.add_digest(out) == (out, False)  # has one: checked, not written
+    with pytest.raises(MapFileError, match="already has a content digest"):
+        mapfile.add_digest(out, tmp_path / "again.gguf")
+    assert mapfile.add_digest(old) == (old.resolve(), True) and read_map_file(old).meta.digest == "xxh64"
+    bad = corrupted_copy(good, tmp_path / "bad.gguf", "blk.4.ridgefill_b.bias", flip_byte(0))
+    with pytest.raises(MapFileError, match=r"tensor blk\.4\.ridgefill_b\.bias: its bytes give"):
+        mapfile.add_digest(bad)
 
 
 def test_a_rewrite_refuses_a_corrupted_source_instead_of_giving_it_a_fresh_digest(tmp_path):

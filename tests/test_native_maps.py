@@ -229,7 +229,7 @@ def test_llama_server_refuses_maps_of_another_checkpoint(fitted, tiny_models, tm
 # content digests and metadata ranges in libllama's loader (#36)
 
 
-def test_loader_checks_each_tensors_digest(llm, fitted, tmp_path):
+def test_loader_checks_each_tensors_digest(llm, fitted, tmp_path, monkeypatch):
     """Silently corrupted weights (one flipped byte, one flipped exponent bit, a matrix set to 60000:
     all finite) loaded and prefilled without a word; libllama's loader now checks each tensor's
     XXH64 against the file's digest and names the tensor."""
@@ -247,12 +247,23 @@ def test_loader_checks_each_tensors_digest(llm, fitted, tmp_path):
         bad = corrupted_copy(f16, tmp_path / f"bad{i}.gguf", tensor, edit)
         _expect_refusal(llm, bad, rf"bad{i}\.gguf: tensor {tensor}: its bytes give xxh64 [0-9a-f]{{16}}, the file records "
                         r"[0-9a-f]{16}: the file was corrupted after it was written", model_path=model_path)
-    # a file written before digests existed loads, with a warning
+    # a file without a digest (written before digests existed, or with the digest's key renamed to hide a
+    # flipped byte) loaded silently; it is refused unless LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1
     old = without_digest(f16, tmp_path / "old.gguf")
+    renamed = corrupted_copy(f16, tmp_path / "renamed.gguf", "blk.5.ridgefill_a.weight", flip_byte(11))
+    data = renamed.read_bytes()
+    assert data.count(mapfile.KEY_DIGEST.encode()) == 1
+    renamed.write_bytes(data.replace(mapfile.KEY_DIGEST.encode(), mapfile.KEY_DIGEST[:-1].encode() + b"X"))
+    for path in (old, renamed):
+        _expect_refusal(llm, path, rf"{path.name}: the file has no content digest \(ridgefill\.digest\.xxh64\), so corrupted "
+                        r"map weights could not be detected: add one with `ridgefill-gguf digest FILE` if you trust its "
+                        r"bytes \(or fit the maps again\), or set LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1 to load it unchecked",
+                        model_path=model_path)
+    monkeypatch.setenv("LLAMA_RIDGEFILL_ALLOW_UNDIGESTED", "1")
     with captured_log() as log:
         with NativeMaps(llm._model.model, old, model_path=model_path) as m:
             assert not m.digest_checked
-    assert any("has no content digest" in line for line in log), log
+    assert any("has no content digest (ridgefill.digest.xxh64), loaded unchecked" in line for line in log), log
 
 
 def test_loader_range_checks_input_norm_eps(llm, fitted, tmp_path):

@@ -1184,3 +1184,98 @@ def test_a_map_path_that_is_not_a_regular_file_is_refused_before_it_is_opened(ti
     lines = proc.stdout.splitlines()
     assert lines[:3] == [f"{fifo}: the map file is a FIFO, not a regular file"] * 3, lines
     assert lines[3:] == [f"{tmp_path}: the map file is a directory, not a regular file", "True"], lines
+
+
+# ------------------------------------------------------------------------------------------------
+# nothing silently lost (issue #44): pickling, NUL characters, statistics after close()
+
+def test_a_pickled_llama_keeps_its_ridgefill(tiny_models, synthetic_maps, prompt, tmp_path):
+    """``pickle.loads(pickle.dumps(llm))`` gave a Llama whose ``ridgefill`` was None: a long prompt then
+    ran stock prefill without a word. The copy now has the same settings, from the same sources
+    (an argument stays an argument, a map file's tuned value is read from the file again), and
+    prefills the same rows to the same logits."""
+    import copy
+    import pickle
+
+    import gguf
+
+    from ridgefill_cpp.maps.mapfile import TUNED_PREFIX, rewrite_map_file
+
+    tuned = rewrite_map_file(synthetic_maps, tmp_path / "tuned.gguf", add_keys=[
+        (TUNED_PREFIX + "tail", 12, gguf.GGUFValueType.UINT32),
+        (TUNED_PREFIX + "exact_fraction", 0.25, gguf.GGUFValueType.FLOAT64),
+        (TUNED_PREFIX + "selector", "protected", gguf.GGUFValueType.STRING)])
+    for rf in (RidgeFill(synthetic_maps, tail=8, min_prompt=32), RidgeFill(tuned, exact_fraction=0.5, min_prompt=32),
+               RidgeFill(synthetic_maps, selector=[3, 40, 7], min_prompt=32),
+               RidgeFill.identity(split=2, span=4, placement="host", min_prompt=32)):
+        for other in (pickle.loads(pickle.dumps(rf)), copy.deepcopy(rf), copy.copy(rf)):
+            assert other == rf and other.origin == rf.origin and other.positions == rf.positions
+        llm = Llama(str(tiny_models["llama"]), ridgefill=rf, **ctx_kwargs())
+        try:
+            copy_ = pickle.loads(pickle.dumps(llm))
+            try:
+                assert copy_.ridgefill == rf and copy_.ridgefill.origin == rf.origin
+                assert (copy_.n_ctx(), copy_.n_batch, copy_.context_params.type_k) == (llm.n_ctx(), llm.n_batch, 0)  # F32 KV
+                logits = [m.prefill(prompt, n_logits=1) for m in (llm, copy_)]
+                stats = [m.ridgefill_stats for m in (llm, copy_)]
+                assert stats[0]["n_filled"] > 0 and stats[0]["exact_positions"] == stats[1]["exact_positions"]
+                assert stats[0]["tail"] == stats[1]["tail"] == rf.tail
+                np.testing.assert_array_equal(logits[0], logits[1])
+            finally:
+                copy_.close()
+        finally:
+            llm.close()
+    # the map file's tuned value is the file's: tail 12 from the file, exact_fraction 0.5 the argument
+    assert RidgeFill(tuned, exact_fraction=0.5).origin["tail"] == "map file"
+    # without RidgeFill it stays without; a closed Llama, whose RidgeFill is gone, is refused
+    llm = Llama(str(tiny_models["llama"]), **ctx_kwargs())
+    b = pickle.loads(pickle.dumps(llm))
+    assert b.ridgefill is None
+    b.close()
+    llm.close()
+    with pytest.raises(ValueError, match=r"Llama\.__getstate__: this Llama is closed"):
+        pickle.dumps(llm)
+
+
+def test_statistics_after_close_raise_like_every_other_member(tiny_models, synthetic_maps, prompt):
+    """``ridgefill_stats`` after close() returned the last plan's dict where every other member raised."""
+    llm = Llama(str(tiny_models["llama"]), ridgefill=RidgeFill(synthetic_maps, min_prompt=32), **ctx_kwargs())
+    llm.eval(prompt)
+    assert llm.ridgefill_stats["n_filled"] > 0 and llm.ridgefill.maps == synthetic_maps
+    llm.close()
+    for member in ("ridgefill_stats", "ridgefill"):
+        with pytest.raises(ValueError, match=rf"Llama\.{member}: this Llama is closed \(close\(\) freed its model"):
+            getattr(llm, member)
+    with pytest.raises(ValueError, match=r"Llama\.ridgefill_memory: this Llama is closed"):
+        llm.ridgefill_memory()
+    assert llm.closed
+
+
+def test_a_nul_character_in_a_string_for_c_is_refused_whole(tiny_models, synthetic_maps):
+    """C reads a string up to its first NUL: ``"maps.gguf\\0junk"`` would open ``maps.gguf``. Every string
+    that crosses into C is checked whole: paths, RPC servers, selector and class names."""
+    from ridgefill_cpp.runtime import rpc
+    from ridgefill_cpp.runtime.native_maps import NativeMaps
+    from ridgefill_cpp.server.serve import server_args
+
+    nul = r"contains a NUL character \(C would read only the part before it\)"
+    model = str(tiny_models["llama"])
+    for make, message in ((lambda: RidgeFill(str(synthetic_maps) + "\0junk"), "maps .*" + nul),
+                          (lambda: RidgeFill(Path(str(synthetic_maps) + "\0")), "maps .*" + nul),
+                          (lambda: RidgeFill(synthetic_maps, selector="attention\0junk"), r"selector 'attention\\x00junk': use one of"),
+                          (lambda: RidgeFill(synthetic_maps, protected=("digits\0",)), r"protected token classes .*: use one or more"),
+                          (lambda: RidgeFill(synthetic_maps, protected="sink\0,digits"), r"protected token classes .*: use one or more"),
+                          (lambda: Llama(model + "\0junk", verbose=False), "model_path .*" + nul),
+                          (lambda: rpc.server_list("127.0.0.1\0evil:50052"), "rpc_servers: server .*" + nul),
+                          (lambda: server_args(model + "\0", None), "model .*" + nul),
+                          (lambda: server_args(model, None, extra=["--alias", "a\0b"]), "llama-server argument .*" + nul)):
+        with pytest.raises(ValueError, match=message):
+            make()
+    llm = Llama(model, **ctx_kwargs())
+    try:
+        with pytest.raises(ValueError, match="map file .*" + nul):
+            NativeMaps(llm._model.model, str(synthetic_maps) + "\0junk")
+        with pytest.raises(ValueError, match="model file .*" + nul):
+            NativeMaps(llm._model.model, synthetic_maps, model_path=model + "\0")
+    finally:
+        llm.close()

@@ -554,3 +554,107 @@ def test_check_key_rescales(cli, tiny_models, fitted):
             check_key_rescales(values)
     r = cli("tune", tiny_models["llama"], "--maps", fitted[4], "--budget", 0.1, "--key-rescales", "0,x", *CLI_GRID)
     assert r.exit_code != 0 and "--key-rescales" in r.output
+
+
+# ------------------------------------------------------------------------------------------------
+# outputs checked before the work, the map file written last (issue #44, item 3)
+
+def _unwritable_dir() -> str:
+    """A directory nothing can be created in, even by root (where ``os.access`` says yes to anything):
+    /proc. Skipped on a machine without it."""
+    import os
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc on this machine: no directory that refuses even root")
+    return "/proc/ridgefill-test-out"
+
+
+def test_every_command_checks_its_outputs_before_the_work(tiny_models, fitted, cli, tmp_path, monkeypatch):
+    """`tune --out /proc/x` ran 95 s, rewrote the map file, then died with a FileNotFoundError
+    traceback; `fit -o`, `eval --out` and `bench --json` into such a place also failed only after the
+    work. Each now fails first, in one line, with the map file untouched: the work functions here
+    raise if they are reached at all."""
+    import ridgefill_cpp.fitting.fit as fit_mod
+    import ridgefill_cpp.quality.bench as bench_mod
+    import ridgefill_cpp.quality.evaluate as eval_mod
+    import ridgefill_cpp.quality.tune as tune_mod
+
+    def reached(*a, **k):
+        raise AssertionError("the work started before the output was checked")
+
+    for mod, name in ((tune_mod, "tune"), (fit_mod, "fit_ridge_maps_for_splits"), (bench_mod, "benchmark_prefill"),
+                      (eval_mod, "evaluate")):
+        monkeypatch.setattr(mod, name, reached)
+    bad = _unwritable_dir()
+    maps = _copies(fitted, tmp_path, splits=(4,))
+    before = maps[0].read_bytes()
+    llama = tiny_models["llama"]
+    for args, option in ((("tune", llama, "--maps", maps[0], "--budget", 10, *CLI_GRID, "--out", bad), "--out"),
+                         (("tune", llama, "--maps", maps[0], "--budget", 10, *CLI_GRID, "--out", bad + "/deeper"), "--out"),
+                         (("fit", llama, "--tokens", 3000, "-o", bad + ".gguf"), None),
+                         (("bench", llama, "--maps", maps[0], "--lengths", 256, "--json", bad + ".json"), None),
+                         (("eval", llama, "--maps", maps[0], "--lengths", 256, "--out", bad), "--out")):
+        r = cli(*args)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (args, r.output, r.exception)
+        assert "is not a writable directory" in said and "Traceback" not in r.output, (args, said)
+        if option:
+            assert said.startswith(f"error: {option} {bad}"), said
+    assert maps[0].read_bytes() == before
+
+
+def test_tune_writes_the_report_then_the_map_file_and_fails_cleanly(tiny_models, fitted, cli, tmp_path, monkeypatch):
+    """The map file gets the tuned defaults last, once the report is out; a report that cannot be
+    written leaves the map file as it was (one line, no traceback); a map file that cannot be
+    written after all leaves a report that says so."""
+    import ridgefill_cpp.maps.mapfile as mapfile_mod
+    import ridgefill_cpp.quality.tune as tune_mod
+
+    maps = _copies(fitted, tmp_path, splits=(4,))
+    before = maps[0].read_bytes()
+    out = tmp_path / "out"
+    args = ("tune", tiny_models["llama"], "--maps", maps[0], "--budget", 10, *CLI_GRID, "--out", out)
+
+    # the order: tune.md and tune.json exist, naming the map file as written, when the map file is written
+    real_write = tune_mod.write_tuned_defaults
+    seen = {}
+
+    def write_after_report(path, defaults):
+        seen["report"] = json.loads((out / "tune.json").read_text())["written"]
+        seen["unchanged"] = maps[0].read_bytes() == before
+        return real_write(path, defaults)
+
+    monkeypatch.setattr(tune_mod, "write_tuned_defaults", write_after_report)
+    r = cli(*args)
+    assert r.exit_code == 0, r.output
+    assert seen == {"report": str(maps[0].resolve()), "unchanged": True}
+    assert read_tuned_defaults(maps[0])["budget"] == 10.0
+
+    # the report fails: nothing written into the map file, one line
+    shutil.copyfile(fitted[4], maps[0])
+    monkeypatch.setattr(tune_mod, "write_tuned_defaults", real_write)
+
+    def no_report(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tune_mod, "write_tune_report", no_report)
+    r = cli(*args)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    assert f"--out {out}: could not write the report: Permission denied (nothing was written into the map file)" in said
+    assert maps[0].read_bytes() == before
+
+    # the map file fails after the report: the report is written again without the claim
+    monkeypatch.undo()
+
+    def no_map(path, defaults):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mapfile_mod, "write_tuned_defaults", no_map)
+    monkeypatch.setattr(tune_mod, "write_tuned_defaults", no_map)
+    r = cli(*args)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "could not write the tuned defaults into" in said and "(the file is as it was)" in said
+    assert json.loads((out / "tune.json").read_text())["written"] is None
+    assert "Not written" in (out / "tune.md").read_text()
+    assert maps[0].read_bytes() == before

@@ -72,9 +72,50 @@ def check_output(path: os.PathLike | str, *, overwrite: bool = True) -> Path:
     if not overwrite and _lstat(path) is not None:
         raise FileExistsError(f"{path} exists (use --force to overwrite it)")
     parent = path.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir():
         raise OutputPathError(f"cannot write {path}: {parent} is not a writable directory")
+    why = _cannot_create_in(parent, directory=False)
+    if why is not None:
+        raise OutputPathError(f"cannot write {path}: {parent} is not a writable directory ({why})")
     return path
+
+
+def check_output_dir(path: os.PathLike | str, *, option: str | None = None) -> Path:
+    """``path`` as a Path, after checking that a directory of output files can be made there (it is
+    created when the files are written, not here): an existing entry must be a directory in which
+    files can be created, else its nearest existing ancestor must be a directory in which
+    directories can be created. Raises :class:`OutputPathError` naming ``option`` (e.g. ``--out``)."""
+    path = Path(path)
+    label = f"{option} {path}" if option else str(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"{label} exists and is not a directory")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputPathError(f"{label}: {existing} is not a directory")
+    why = _cannot_create_in(existing, directory=existing != path)
+    if why is not None:
+        raise OutputPathError(f"{label}: {existing} is not a writable directory ({why})")
+    return path
+
+
+def _cannot_create_in(parent: Path, *, directory: bool) -> str | None:
+    """Why a file (or a directory) cannot be created in ``parent``, found by creating one and removing
+    it again; None when it can. (``os.access`` is no test: it says yes to root for /proc, a read-only
+    mount or a full disk's quota alike.)"""
+    probe = parent / f".ridgefill-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        if directory:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        else:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -2,13 +2,16 @@
 
 ctypes converts a Python int to a C ``int32_t`` modulo 2**32, silently (``2**32 + 64`` -> 64), and a
 float to an int by truncation; :func:`check_int` and :func:`check_fraction` refuse such values with
-a message that names the setting and its range.
+a message that names the setting and its range. A C string ends at its first NUL character, so a
+Python string with one inside would be cut where it crosses (``"attention\0junk"`` -> ``"attention"``):
+:func:`check_c_string` refuses it whole.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 
 #: the most threads llama.cpp takes (GGML_MAX_N_THREADS in ggml.h: more overflow its per-thread arrays)
 MAX_THREADS = 512
@@ -36,3 +39,12 @@ def check_fraction(name: str, value, hint: str = "") -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} {value!r} outside [0, 1]{hint}")
     return float(value)
+
+
+def check_c_string(name: str, value, hint: str = ""):
+    """``value`` (a ``str``, ``bytes`` or path) unchanged, after checking that it holds no NUL character:
+    C would read only the part before it. Raises ``ValueError`` naming ``name``."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if isinstance(text, (str, bytes)) and (b"\0" if isinstance(text, bytes) else "\0") in text:
+        raise ValueError(f"{name} {value!r} contains a NUL character (C would read only the part before it){hint}")
+    return value

@@ -874,9 +874,29 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
                   for name, value in values.items()])
 
 
+UNDIGESTED_HINT = "add one with `ridgefill-gguf digest FILE` if you trust its bytes (or fit the maps again)"
+
+
+def add_digest(path: os.PathLike | str, out_path: os.PathLike | str | None = None) -> tuple[Path, bool]:
+    """Give the map file at ``path`` the content digest of the bytes it holds now (written to
+    ``out_path``, default ``path`` itself, atomically; everything else copied unchanged), for a file
+    written before map files had one. A file that has one is only checked against it (a corrupted
+    file is refused, never given a fresh digest) and not written. Returns the file that has the
+    digest and whether it was written. Raises :class:`MapFileError`."""
+    path = Path(path)
+    md = _read_map_metadata(path.resolve())  # a map file (clear error otherwise)
+    if check_digests(path, md):
+        if out_path is not None and Path(out_path).resolve() != path.resolve():
+            raise MapFileError(f"{path} already has a content digest (checked: the weights are as written); "
+                               "copy it instead of writing it again")
+        return path, False
+    return rewrite_map_file(path, out_path, allow_undigested=True), True
+
+
 def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None = None, *,
                      drop_key=lambda name: False, add_keys: Sequence[tuple[str, Any, Any]] = (),
-                     drop_tensor=lambda name: False, add_tensors: Sequence[tuple] = ()) -> Path:
+                     drop_tensor=lambda name: False, add_tensors: Sequence[tuple] = (),
+                     allow_undigested: bool = False) -> Path:
     """Copy the GGUF at ``path`` to ``out_path`` (default: ``path`` itself) with every key and tensor
     (tensor bytes included, F16 stays F16) except those ``drop_key`` / ``drop_tensor`` accept, then
     ``add_keys`` ((name, value, GGUFValueType)) and ``add_tensors`` ((name, array), or (name, raw
@@ -884,13 +904,16 @@ def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None
     (:func:`ridgefill_cpp.core.files.atomic_path`): a temporary file next to the output, then a rename (a
     symlink is followed; the output gets the source's permission bits); on any error the output is
     left as it was. The source's tensors are checked against its content digest first (a corrupted
-    file is refused, not given a fresh digest); the output gets the digest of what it holds."""
+    file is refused, not given a fresh digest; a file without one is refused unless
+    ``allow_undigested``: :func:`add_digest`); the output gets the digest of what it holds."""
     import gguf
 
     path = Path(path).resolve()
     out_path = path if out_path is None else Path(out_path).resolve()
     mode = path.stat().st_mode & 0o7777
-    check_digests(path)
+    if not check_digests(path) and not allow_undigested:
+        raise MapFileError(f"{path}: the file has no content digest ({KEY_DIGEST}), so corrupted weights could not be "
+                           f"detected and would be given a fresh digest here: {UNDIGESTED_HINT}")
     reader = gguf.GGUFReader(path, "r")
     arch = reader.fields["general.architecture"].contents()
     with _map_writer(out_path, arch, mode=mode) as w:

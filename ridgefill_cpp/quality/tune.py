@@ -51,7 +51,7 @@ from . import metrics
 from ..core import settings
 from .evaluate import (EvalOptions, Ticker, build_documents, check_retrieval_tail, default_texts, open_context,
                        plan_summary, planted_code_retrieval, text_sources, text_tokenizer, timed_prefill)
-from ..core.files import write_bytes
+from ..core.files import check_output, write_bytes
 from ..fitting.fit import bos_prefix
 from ..core.gguf_model import read_model_info
 from ..maps.mapfile import map_file_splits, write_tuned_defaults
@@ -288,6 +288,8 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         raise ValueError(f"budget {budget!r}: the ΔNLL budget must be a positive number of nats")
     if not maps:
         raise ValueError("tune needs at least one map file (--maps)")
+    if write:  # the chosen map file is rewritten at the end: say now, not after the work, if it cannot be
+        check_writable_maps(maps)
     tails, fractions = check_grid(options.tails, options.fractions, options.length)
     if options.selector not in settings.SELECTORS:
         raise ValueError(f"selector {options.selector!r}: tune measures one of {settings.names(settings.SELECTORS)}")
@@ -435,8 +437,25 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     }
     if write:
-        res.written = str(write_tuned_defaults(p.maps, res.defaults))
+        write_chosen(res)
     return res
+
+
+def check_writable_maps(maps: Sequence[os.PathLike | str]) -> None:
+    """That each map file could be rewritten with tuned defaults (a regular file in a directory where
+    its atomic replacement can be created); raises ``OutputPathError`` (a ValueError) naming it."""
+    for m in maps:
+        check_output(Path(m).resolve())
+
+
+def write_chosen(res: TuneResult) -> Path:
+    """Write the chosen setting's defaults (``res.defaults``) into its map file, atomically
+    (:func:`ridgefill_cpp.maps.mapfile.write_tuned_defaults`), and record it in ``res.written``."""
+    if res.best is None or res.defaults is None:
+        raise ValueError("no setting was chosen: nothing to write")
+    path = write_tuned_defaults(res.best.maps, res.defaults)
+    res.written = str(path)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------
@@ -531,7 +550,7 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
         L.append(f"**Chosen: {best.label}** (the fastest setting within the budget): novel ΔNLL "
                  f"{ci_text(best.novel)}, speedup {best.speedup:.2f}x, ceiling {best.ceiling:.2f}x.")
         L.append(f"Written into `{res.written}`." if res.written else
-                 f"Not written (dry run); it would go into `{best.maps}`.")
+                 f"Not written into the map file (a dry run, or the write failed); it would go into `{best.maps}`.")
         L.append("")
     else:
         L.append("**No setting is within the budget.**\n")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core import native as N
+from ..core.limits import check_c_string
 from ..maps.mapfile import MapFileError
 
 
@@ -23,7 +24,9 @@ class NativeMaps:
 
     def __init__(self, model, path: os.PathLike | str, *, split: int | None = None, host: bool = False,
                  model_path: os.PathLike | str | None = None):
-        self.path = Path(path)
+        self.path = Path(check_c_string("map file", path))
+        if model_path is not None:
+            check_c_string("model file", model_path)
         params = N.llama_ridgefill_maps_default_params()
         params.split_layer = -1 if split is None else int(split)
         params.host = bool(host)

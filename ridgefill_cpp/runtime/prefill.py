@@ -16,6 +16,7 @@ generated tokens run every layer.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import time
@@ -28,7 +29,7 @@ import numpy as np
 from ..core import native as N
 from . import rpc
 from ..core import settings
-from ..core.limits import MAX_THREADS, check_int
+from ..core.limits import MAX_THREADS, check_c_string, check_int
 from ..core.files import not_regular
 from ..core.gguf_model import GGUFFileError, read_metadata, read_model_info
 from ..maps.mapfile import ADAPTER_TYPE, TUNED_PREFIX, MapFileError, tuned_defaults_from_metadata
@@ -108,6 +109,7 @@ class RidgeFill:
     def __post_init__(self):
         tuned = None
         if self.maps is not None:
+            check_c_string("maps", self.maps)
             what = not_regular(self.maps, follow_symlinks=True)
             if what is not None:  # opening a FIFO would block; a device or directory is no map file
                 raise MapFileError(f"{self.maps}: the map file is {what}, not a regular file")
@@ -152,6 +154,23 @@ class RidgeFill:
         for name in ("placement", "state_correction", "splice"):
             settings.check(name, getattr(self, name))
 
+    def arguments(self) -> dict[str, Any]:
+        """The constructor arguments that give these settings again: every setting as given, a tunable
+        one that was not given as None (so that it resolves as it did: the map file's tuned value,
+        else the built-in one), an explicit selector as its positions."""
+        args = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        for name in settings.TUNABLE:
+            if self.origin.get(name) != "argument":
+                args[name] = None
+        if self.selector == "positions":
+            args["selector"] = list(self.positions)
+        return args
+
+    def __reduce__(self):
+        # pickle and copy by the arguments, so that the copy is checked and resolved as this one was
+        # (a frozen dataclass's default copies its resolved fields and bypasses the checks)
+        return (_ridgefill_from_arguments, (self.arguments(),))
+
     @classmethod
     def identity(cls, split: int, **kwargs: Any) -> "RidgeFill":
         """Identity fill at split S (no map file): x̂_l = x_S for every late layer."""
@@ -185,6 +204,10 @@ class RidgeFill:
         p.state_correction = settings.STATE_CORRECTIONS[self.state_correction]
         p.splice = settings.SPLICES[self.splice]
         return p
+
+
+def _ridgefill_from_arguments(arguments: dict[str, Any]) -> RidgeFill:
+    return RidgeFill(**arguments)
 
 
 @dataclass(frozen=True)
@@ -265,11 +288,12 @@ class Llama(llama_cpp.Llama):
         self._rf_loaded: dict[tuple[str, int | None, bool], NativeMaps] = {}
         self._rf_attached = False
         self._rf_release = False  # whether close() detaches and frees the maps (registered once)
-        self.ridgefill_stats: dict[str, Any] = {}
+        self._rf_stats: dict[str, Any] = {}
         self._info = None  # the model's ModelInfo, read when RidgeFill needs it
         for name in ("n_threads", "n_threads_batch"):  # more than ggml's thread arrays hold crashes llama.cpp
             if kwargs.get(name) is not None:
                 check_int(name, kwargs[name], 1, MAX_THREADS, "; llama.cpp's GGML_MAX_N_THREADS is the most")
+        check_c_string("model_path", model_path)
         what = not_regular(model_path, follow_symlinks=True)
         if what is not None:  # llama.cpp would block opening a FIFO, or fail on a device or directory
             raise ValueError(f"{model_path}: the model file is {what}, not a regular file")
@@ -358,7 +382,7 @@ class Llama(llama_cpp.Llama):
         if self._rf_attached:
             N.llama_ridgefill_detach(self._ctx.ctx)
         self._rf, self._rf_maps, self._rf_attached = None, None, False
-        self.ridgefill_stats = {}
+        self._rf_stats = {}
         if rf is None:
             return
         maps = self._load_maps(rf) if rf.maps is not None else None
@@ -388,7 +412,30 @@ class Llama(llama_cpp.Llama):
     @property
     def ridgefill(self) -> RidgeFill | None:
         """The RidgeFill settings in use (None: stock prefill)."""
+        self._check_open("ridgefill")
         return self._rf
+
+    @property
+    def ridgefill_stats(self) -> dict[str, Any]:
+        """What the last prompt's prefill did (its keys: :data:`ridgefill_cpp.core.settings.STATS`);
+        empty when it ran stock. Raises ``ValueError`` after :meth:`close`."""
+        self._check_open("ridgefill_stats")
+        return self._rf_stats
+
+    def _check_open(self, member: str) -> None:
+        if self._closed:
+            raise ValueError(f"Llama.{member}: this Llama is closed (close() freed its model and context); "
+                             "create a new one")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """llama-cpp-python's constructor arguments, with RidgeFill's settings and the RPC servers:
+        ``pickle.loads(pickle.dumps(llm))`` loads the model again with the same RidgeFill (the map
+        file is read again, from its path). A closed Llama (whose RidgeFill is gone) is refused."""
+        self._check_open("__getstate__")
+        state = super().__getstate__()
+        state["ridgefill"] = self._rf
+        state["rpc_servers"] = self.rpc_servers
+        return state
 
     def eval(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)
@@ -427,7 +474,7 @@ class Llama(llama_cpp.Llama):
         ctx = self._ctx.ctx
         planned = 0
         if plan:
-            self.ridgefill_stats = {}
+            self._rf_stats = {}
             planned = N.llama_ridgefill_begin(ctx, 0, self.n_tokens, self.n_tokens + n)
             if planned < 0:
                 raise RuntimeError(f"RidgeFill: {_last_error()}")
@@ -448,7 +495,7 @@ class Llama(llama_cpp.Llama):
             raise
         self._check_rpc(n_past)
         if planned:
-            self.ridgefill_stats = self._read_stats((time.perf_counter() - t0) * 1000.0)
+            self._rf_stats = self._read_stats((time.perf_counter() - t0) * 1000.0)
         return logits
 
     def _decode(self, tokens: list[int], n_logits: int) -> np.ndarray:
@@ -625,9 +672,7 @@ class Llama(llama_cpp.Llama):
 def _open_only(method):
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
-        if self._closed:
-            raise ValueError(f"Llama.{method.__name__}: this Llama is closed (close() freed its model and context); "
-                             "create a new one")
+        self._check_open(method.__name__)
         return method(self, *args, **kwargs)
     return checked
 
@@ -642,7 +687,7 @@ _NEEDS_OPEN = (
     # ours
     "set_ridgefill", "prefill", "forget_cells", "ridgefill_value_scales", "ridgefill_key_scales",
     "ridgefill_scores", "layer_devices", "read_kv", "read_state", "ridgefill_boundary_state",
-    "ridgefill_splice_state", "ridgefill_record_boundary_states",
+    "ridgefill_splice_state", "ridgefill_record_boundary_states", "ridgefill_memory",
 )
 for _name in _NEEDS_OPEN:
     setattr(Llama, _name, _open_only(getattr(Llama, _name)))

@@ -35,6 +35,7 @@ import llama_cpp
 
 from ..core import native as N
 from ..core import processes as P
+from ..core.limits import check_c_string
 
 #: how many devices a list of RPC servers may give (llama.cpp's own limit is its tensor_split size)
 MAX_DEVICES = 64
@@ -66,6 +67,7 @@ def server_list(servers: str | Sequence[str]) -> str:
     items = servers.split(",") if isinstance(servers, str) else list(servers)
     items = [str(s).strip() for s in items]
     for s in items:
+        check_c_string("rpc_servers: server", s)
         host, sep, port = s.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"rpc_servers: {s!r} is not host:port (in {servers!r})")

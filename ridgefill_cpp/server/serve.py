@@ -35,6 +35,7 @@ from ..core import native as _native, settings
 from ..core import processes as P
 from ..core.processes import http_status  # noqa: F401  (part of this module's API)
 from ..core.files import not_regular
+from ..core.limits import check_c_string
 from ..core.gguf_model import read_model_info, supported_architectures
 from ..maps.mapfile import map_file_splits
 from ..runtime.prefill import RidgeFill, as_ridgefill
@@ -161,6 +162,7 @@ def check_api_key_file(path: str | os.PathLike) -> Path:
 def _check_extra(extra: Sequence[str]) -> list[str]:
     extra = [str(a) for a in extra]
     for i, a in enumerate(extra):
+        check_c_string("llama-server argument", a)
         flag = a.split("=", 1)[0]
         if flag in _MANAGED_FLAGS:
             raise ValueError(f"{flag} is set by {_MANAGED_FLAGS[flag]} of serve, not among the extra llama-server "
@@ -198,6 +200,7 @@ def server_args(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLi
     """
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"port {port} outside 0..65535")
+    check_c_string("model", model)
     args = [str(server_binary()), "-m", str(model), "--host", _check_host(host), "--port", str(int(port))]
     rf = as_ridgefill(ridgefill)
     if rf is not None:
