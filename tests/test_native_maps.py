@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -309,3 +311,53 @@ def test_every_entry_point_refuses_corrupted_maps(fitted, tiny_models, tmp_path)
         proc = subprocess.run([server, "-m", str(model_path), "--ridgefill-maps", str(bad), "--host", "127.0.0.1",
                                "--port", "0", "-c", "256"], capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_an_undigested_map_file_is_refused_everywhere_until_digest_gives_it_one(fitted, cli, tmp_path, monkeypatch):
+    """Map files without a content digest loaded silently (in libllama, Llama and llama-server), so a
+    renamed digest key hid a flipped byte. They are refused now, saying how to go on:
+    ``ridgefill-gguf digest FILE`` gives a trusted file its digest (after which it loads), or
+    LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1 loads it unchecked. ``info`` still describes it."""
+    import subprocess
+
+    import ridgefill_cpp
+    from ridgefill_cpp import Llama, RidgeFill
+    from test_mapfile import corrupted_copy, flip_byte, without_digest
+
+    model_path, f16, _ = fitted["llama"]
+    old = without_digest(f16, tmp_path / "old.gguf")
+    message = "old.gguf: the file has no content digest (ridgefill.digest.xxh64)"
+    with pytest.raises(MapFileError, match=re.escape(message)):
+        Llama(str(model_path), n_ctx=256, verbose=False, ridgefill=RidgeFill(old, min_prompt=8))
+    server = ridgefill_cpp.build_info()["llama_server"]
+    proc = subprocess.run([server, "-m", str(model_path), "--ridgefill-maps", str(old), "--host", "127.0.0.1",
+                           "--port", "0", "-c", "256"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    res = cli("info", old)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "libllama refuses the file; `ridgefill-gguf digest FILE` adds one" in said, res.output
+
+    # the command: to another file, then in place; a file that has one is checked and left alone
+    before = old.read_bytes()
+    res = cli("digest", old, "-o", tmp_path / "new.gguf")
+    assert res.exit_code == 0 and "wrote" in res.output and old.read_bytes() == before, res.output
+    assert (tmp_path / "new.gguf").read_bytes() == f16.read_bytes()
+    res = cli("digest", old)
+    assert res.exit_code == 0 and "wrote" in res.output and read_map_file(old).meta.digest == "xxh64"
+    res = cli("digest", old)
+    assert res.exit_code == 0 and "already has a content digest: checked" in " ".join(res.output.split())
+    llm = Llama(str(model_path), n_ctx=256, verbose=False, ridgefill=RidgeFill(old, min_prompt=8))
+    llm.close()
+    for bad, why in ((corrupted_copy(f16, tmp_path / "bad.gguf", "blk.5.ridgefill_a.weight", flip_byte(3)),
+                      "its bytes give xxh64"), (model_path, "not a RidgeFill map file")):
+        before = bad.read_bytes()
+        res = cli("digest", bad)
+        assert res.exit_code == 1 and why in res.output and isinstance(res.exception, SystemExit), res.output
+        assert bad.read_bytes() == before
+
+    # the opt-in: loads unchecked, the model's own output unchanged by the choice
+    old2 = without_digest(f16, tmp_path / "old2.gguf")
+    monkeypatch.setenv("LLAMA_RIDGEFILL_ALLOW_UNDIGESTED", "1")
+    llm = Llama(str(model_path), n_ctx=256, verbose=False, ridgefill=RidgeFill(old2, min_prompt=8))
+    assert llm._rf_maps.digest_checked is False
+    llm.close()

@@ -199,7 +199,10 @@ def test_per_request_settings_override_the_servers(tiny, tiny_models):
 BAD = [("yes", "must be false"), (1, "must be false"), ([], "must be false"), ({"tail": 0}, '"tail"'),
        ({"tail": 1.5}, '"tail"'), ({"exact_fraction": 2}, '"exact_fraction"'), ({"exact_fraction": "a"}, '"exact_fraction"'),
        ({"selector": "foo"}, '"selector"'), ({"selector": 1}, '"selector"'), ({"tails": 3}, 'unknown member "tails"'),
-       ({"span": 0}, '"span"'), ({"span": 4097}, '"span"'), ({"span": 2.5}, '"span"')]
+       ({"span": 0}, '"span"'), ({"span": 4097}, '"span"'), ({"span": 2.5}, '"span"'),
+       # a NUL inside the name: C would read "attention" (it ran attention with 200)
+       ({"selector": "attention\u0000garbage"}, '"selector" must be one of'), ({"selector": "\u0000"}, '"selector"'),
+       ({"tail\u0000": 3}, "unknown member")]
 
 
 @pytest.mark.parametrize("endpoint", ["/completion", "/v1/completions", "/v1/chat/completions"])
@@ -239,6 +242,34 @@ def test_openai_client_extra_body_and_statistics(tiny, tiny_models):
                                                  max_tokens=3, temperature=0, stream=True,
                                                  extra_body={"cache_prompt": False}))
     assert chunks[-1].model_extra["ridgefill"]["applied"]
+
+
+def test_several_prompts_get_one_statistics_object_per_choice(tiny, tiny_models):
+    """/v1/completions with several prompts answered one top-level ``ridgefill`` object for all of
+    them; each choice now carries its own (the top-level one stays, for the first choice, as the
+    ``timings`` next to it), and /completion's array has one per element."""
+    model = tiny_models["llama"]
+    prompts = [_prompt(model, 300), _prompt(model, 40, shift=3), _prompt(model, 200, shift=9)]
+    body = {"prompt": prompts, "max_tokens": 2, "temperature": 0, "cache_prompt": False}
+    status, res = _post(tiny.url + "/v1/completions", body)
+    assert status == 200, res
+    choices = sorted(res["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    stats = [c["ridgefill"] for c in choices]
+    assert [s["n_prompt"] for s in stats] == [300, 40, 200]
+    assert [s["applied"] for s in stats] == [True, False, True]  # 40 rows: below --ridgefill-min-prompt
+    assert stats[1]["reason"] == "fewer new prompt rows than --ridgefill-min-prompt"
+    for p, s in zip((prompts[0], prompts[2]), (stats[0], stats[2])):
+        assert s["n_filled"] == len(p) - s["tail"] - s["n_exact"] > 0
+    assert res["ridgefill"] == next(c["ridgefill"] for c in res["choices"] if c["index"] == 0)
+    status, arr = _post(tiny.url + "/completion", {**body, "n_predict": 2})
+    assert status == 200 and [a["ridgefill"]["n_prompt"] for a in arr] == [300, 40, 200]
+    # chat: one choice, the same object in it and at the top
+    client = openai.OpenAI(base_url=tiny.base_url, api_key="unused", timeout=HTTP_TIMEOUT, max_retries=0)
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
+    ch = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2,
+                                        temperature=0, extra_body={"cache_prompt": False})
+    assert ch.choices[0].model_extra["ridgefill"] == ch.model_extra["ridgefill"] and ch.model_extra["ridgefill"]["applied"]
 
 
 def _metrics(srv: Server) -> dict[str, float]:
@@ -365,6 +396,46 @@ def _concurrent_equal_alone(srv: Server, model: Path) -> None:
 
 def test_four_slots_concurrent_equal_alone_also_while_one_generates(tiny, tiny_models):
     _concurrent_equal_alone(tiny, tiny_models["llama"])
+
+
+def test_a_planned_prompt_is_prefilled_alone_whatever_its_company(tiny_models, tmp_path):
+    """Issue #44, item 5: with llama-server's default numerics (F16 KV, flash attention auto, 2
+    threads) the same request can answer differently alone and next to others, on stock llama-server
+    as well: the CPU flash-attention kernel takes another summation order for one query row (its
+    split-KV path) than for the rows of several slots decoded in one call
+    (docs/company-smollm2). What RidgeFill adds must not depend on the company: a planned prompt's
+    rows are decoded alone, so its first token's distribution - the prefill's output - is the same
+    bit for bit alone and next to three requests with other overrides (the issue's probe/span 1
+    among them), and its plan is the same."""
+    model = tiny_models["llama"]
+    overrides = [False, {"tail": 32}, {"exact_fraction": 0.3}, {"selector": "probe", "span": 1}]
+    prompts = [_prompt(model, 600, shift=13 * i) for i in range(4)]
+    args = ["-c", "4096", "-np", "4", "--threads", "2", "-ngl", "0", "--no-warmup"]
+    with Server(model, RidgeFill.identity(**TINY_RF), extra_args=args, log_path=tmp_path / "server.log",
+                startup_timeout=60) as srv:
+        def run(i):
+            return _complete(srv, prompts[i], n=4, ridgefill=overrides[i])
+
+        alone = [run(i) for i in range(4)]
+        together = dict(enumerate(_concurrently_run(run, 4)))
+    for i in range(1, 4):
+        a, t = alone[i], together[i]
+        assert a["ridgefill"]["applied"] and t["ridgefill"]["applied"]
+        for key in ("n_filled", "n_exact", "tail", "selector", "span", "probe_rows"):
+            assert a["ridgefill"][key] == t["ridgefill"][key], (overrides[i], key)
+        assert a["completion_probabilities"][0]["top_logprobs"] == t["completion_probabilities"][0]["top_logprobs"]
+        assert a["tokens"][0] == t["tokens"][0]
+
+
+def _concurrently_run(run, n: int) -> list[dict]:
+    out: dict[int, dict] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, run(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=HTTP_TIMEOUT)
+        assert not t.is_alive()
+    return [out[i] for i in range(n)]
 
 
 def test_qwen35_four_slots_concurrent_equal_alone(tiny_models, tmp_path):
