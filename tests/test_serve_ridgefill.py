@@ -249,7 +249,9 @@ def test_several_prompts_get_one_statistics_object_per_choice(tiny, tiny_models)
     them; each choice now carries its own (the top-level one stays, for the first choice, as the
     ``timings`` next to it), and /completion's array has one per element."""
     model = tiny_models["llama"]
-    prompts = [_prompt(model, 300), _prompt(model, 40, shift=3), _prompt(model, 200, shift=9)]
+    # (shifts no other test uses: these prompts stay in the server's prompt cache, where a later test's
+    # prompt must not find a prefix of its own)
+    prompts = [_prompt(model, 300, shift=43), _prompt(model, 40, shift=47), _prompt(model, 200, shift=53)]
     body = {"prompt": prompts, "max_tokens": 2, "temperature": 0, "cache_prompt": False}
     status, res = _post(tiny.url + "/v1/completions", body)
     assert status == 200, res
@@ -409,7 +411,7 @@ def test_a_planned_prompt_is_prefilled_alone_whatever_its_company(tiny_models, t
     among them), and its plan is the same."""
     model = tiny_models["llama"]
     overrides = [False, {"tail": 32}, {"exact_fraction": 0.3}, {"selector": "probe", "span": 1}]
-    prompts = [_prompt(model, 600, shift=13 * i) for i in range(4)]
+    prompts = [_prompt(model, 600, shift=17 + 13 * i) for i in range(4)]
     args = ["-c", "4096", "-np", "4", "--threads", "2", "-ngl", "0", "--no-warmup"]
     with Server(model, RidgeFill.identity(**TINY_RF), extra_args=args, log_path=tmp_path / "server.log",
                 startup_timeout=60) as srv:

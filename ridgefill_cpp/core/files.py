@@ -93,7 +93,7 @@ def check_output_dir(path: os.PathLike | str, *, option: str | None = None) -> P
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise OutputPathError(f"{label}: {existing} is not a directory")
+        raise OutputPathError(f"{label}: {existing} is not a writable directory")
     why = _cannot_create_in(existing, directory=existing != path)
     if why is not None:
         raise OutputPathError(f"{label}: {existing} is not a writable directory ({why})")
