@@ -1113,6 +1113,8 @@ def tune_cmd(
             res, failure = e.result, str(e)
         except (ValueError, MapFileError, GGUFFileError) as e:
             _fail(str(e))
+    if not as_json:
+        _show_tune(res)  # what was measured is shown whatever happens to the writes below
     # the report first (also when nothing is feasible: what was measured is kept), then the map file,
     # last and atomically; the report names it as written, and is written again if that fails
     if failure is None and not dry_run:
@@ -1130,8 +1132,6 @@ def tune_cmd(
         d = res.as_dict()
         d["error"] = failure
         print(json.dumps(d, indent=2, allow_nan=False))
-    else:
-        _show_tune(res)
     if failure:
         if paths and not as_json:
             err.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)

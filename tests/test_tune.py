@@ -642,6 +642,7 @@ def test_tune_writes_the_report_then_the_map_file_and_fails_cleanly(tiny_models,
     said = " ".join(r.output.split())
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
     assert f"--out {out}: could not write the report: Permission denied (nothing was written into the map file)" in said
+    assert "ΔNLL novel" in said  # the measured table is shown all the same
     assert maps[0].read_bytes() == before
 
     # the map file fails after the report: the report is written again without the claim
@@ -655,6 +656,7 @@ def test_tune_writes_the_report_then_the_map_file_and_fails_cleanly(tiny_models,
     r = cli(*args)
     said = " ".join(r.output.split())
     assert r.exit_code == 1 and "could not write the tuned defaults into" in said and "(the file is as it was)" in said
+    assert "ΔNLL novel" in said
     assert json.loads((out / "tune.json").read_text())["written"] is None
     assert "Not written" in (out / "tune.md").read_text()
     assert maps[0].read_bytes() == before
