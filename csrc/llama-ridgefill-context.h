@@ -95,7 +95,7 @@ struct llama_ridgefill_context {
     int decode_done();
 
     // grow the scheduler's compute buffers to the worst case of the early phase (a ubatch with the
-    // selector's query rows) and of the late phase's graphs; false on failure
+    // selector's query rows) and of the late phase's graphs; false on failure (llama-ridgefill-reserve.cpp)
     bool reserve();
 
     //
@@ -109,8 +109,27 @@ struct llama_ridgefill_context {
     // ubatch rows among the attention selector's query rows
     llama_ridgefill_graph early_graph(std::vector<int32_t> dst_rows, std::vector<int32_t> sel_ids) const;
 
-    // the late phase (llama-ridgefill-late.cpp)
+    // the late phase (llama-ridgefill-late.cpp), run by the decode call that brought the plan's last
+    // row: 0, or the error code decode returns. Its steps, in order:
     int finish();
+    // wait for the early phase's graphs (the wait counts as early-phase time); when the late phase starts
+    int64_t wait_early_phase();
+    // the cells of the planned rows in each cache; "" when every row the late phase reads is there
+    std::string plan_cells(const llama_ridgefill_plan & p, std::vector<int64_t> & cells, std::vector<int64_t> & cells_swa) const;
+    // the value (and key) scales of each late layer and KV head start at 1 (not measured)
+    void reset_scales(int32_t T);
+    // the selector, then the late passes (the probe selector's two, or one): which rows ran exact
+    // (is_exact, exact: the selected ones), the probe's rows; "" on success, else what failed
+    std::string run_late_passes(const llama_ridgefill_plan & p, int32_t T, std::vector<int64_t> cells,
+            std::vector<int64_t> cells_swa, std::vector<char> & is_exact, std::vector<llama_pos> & exact, int32_t & n_probe);
+    // the statistics of the finished plan (llama_ridgefill_get_stats): n_exact selected rows, n_x
+    // rows run exact in all
+    void record_stats(const llama_ridgefill_plan & p, int32_t T, int32_t n_exact, int32_t n_x, int32_t n_probe,
+            int64_t t_start_us);
+    // LLAMA_RIDGEFILL_TIMING=1: where the time of the plan went, in one log line
+    void log_timing() const;
+    // a plan that cannot finish: msg recorded (naming a lost RPC server), the prompt's rows removed; -3
+    int fail_plan(const llama_ridgefill_plan & p, const std::string & msg);
 
     // a pass whose exact rows are those marked in is_exact (the last T rows among them)
     llama_ridgefill_pass make_pass(llama_seq_id seq_id, llama_pos pos0, std::vector<int64_t> cells,
@@ -127,6 +146,7 @@ struct llama_ridgefill_context {
 
     // a window-sized sliding-window cache: the scratch cache the late sliding-window layers of a windowed
     // pass run over (created by reserve; n_swa + 2 n_ubatch cells); nullptr otherwise
+    // (make_windows and create_swa_scratch: llama-ridgefill-window.cpp)
     bool create_swa_scratch();
 
     // the graphs of late layer il in a pass: row ranges [c0, c1) of the rows the layer runs

@@ -1,5 +1,6 @@
-// The late phase of a planned prompt: plan -> passes -> graphs -> run (see llama-ridgefill-late.h),
-// and the reservation of the compute buffers its graphs need.
+// The late phase of a planned prompt: plan -> passes -> graphs -> run (see llama-ridgefill-late.h).
+// The window graphs' planning is in llama-ridgefill-window.cpp, the compute buffers' reservation in
+// llama-ridgefill-reserve.cpp.
 
 #include "llama-ridgefill-context.h"
 #include "llama-ridgefill-arch.h"
@@ -92,143 +93,6 @@ llama_ridgefill_pass llama_ridgefill_context::make_pass(llama_seq_id seq_id, lla
         make_windows(ps);
     }
     return ps;
-}
-
-void llama_ridgefill_context::make_windows(llama_ridgefill_pass & ps) const {
-    const llama_hparams & hparams = model.hparams;
-    const llama_ridgefill_caches caches(lctx.get_memory());
-    GGML_ASSERT(swa_scratch && caches.swa && hparams.n_pos_per_embd() == 1);
-
-    const int32_t n_swa    = (int32_t) hparams.n_swa;
-    const int32_t n_ubatch = (int32_t) lctx.get_cparams().n_ubatch;
-    const int32_t n_cells  = (int32_t) swa_scratch->get_size();
-    const int32_t n_x      = (int32_t) ps.X.size();
-    const llama_ridgefill_fill & f = ps.fill;
-
-    // the rows the cache holds: the last ones, from j_r0 on
-    int32_t j_r0 = 0;
-    while (j_r0 < ps.N && ps.cells_swa[j_r0] < 0) {
-        ++j_r0;
-    }
-    GGML_ASSERT(std::find(ps.cells_swa.begin() + j_r0, ps.cells_swa.end(), -1) == ps.cells_swa.end());
-
-    // its filled rows, written by the first graph of each late sliding-window layer over the cache
-    const int64_t offs_swa = (int64_t) f.strm_swa*caches.swa->get_size();
-    const bool    local_v  = !f.v_trans.empty() && offs_swa != 0;
-    llama_ridgefill_fill & fs = ps.fill_swa;
-    fs.v_trans  = f.v_trans;
-    fs.strm     = f.strm;
-    fs.strm_swa = f.strm_swa;
-    fs.splice   = f.splice;
-    for (int32_t j = j_r0; j < ps.N; ++j) {
-        if (ps.xi[j] < 0) {
-            fs.rows     .push_back(j);
-            fs.pos      .push_back(ps.pos0 + j);
-            fs.cells_swa.push_back(ps.cells_swa[j] + offs_swa);
-            if (local_v) {
-                fs.cells_v_swa.push_back(ps.cells_swa[j]);
-            }
-        }
-    }
-    fs.n_chunk = fill_chunk((int32_t) fs.rows.size());
-
-    // the exact rows whose window reaches a row the cache no longer holds: X[0, n_x_win)
-    ps.n_x_win = 0;
-    while (ps.n_x_win < n_x && ps.X[ps.n_x_win] - n_swa + 1 < j_r0) {
-        ++ps.n_x_win;
-    }
-
-    // the scratch's storage, and the cache's for the exact rows written to both
-    llama_ridgefill_write wt0;
-    wt0.k.assign(n_layer, nullptr);
-    wt0.v.assign(n_layer, nullptr);
-    wt0.v_trans = caches.swa->get_v_trans();
-    wt0.strm    = f.strm_swa;
-    std::vector<ggml_tensor *> v_scratch;
-    if (wt0.v_trans) {
-        v_scratch.assign(n_layer, nullptr);
-    }
-    for (int32_t il = params.split_layer; il < n_layer; ++il) {
-        if (hparams.is_swa(il) && !hparams.is_recr(il)) {
-            wt0.k[il] = caches.swa->get_k_storage(il);
-            wt0.v[il] = caches.swa->get_v_storage(il);
-            if (wt0.v_trans) {
-                v_scratch[il] = swa_scratch->get_v_storage(il);
-            }
-        }
-    }
-
-    // groups in position order, each at most n_ubatch exact rows whose windows (the rows [max(p - n_swa
-    // + 1, 0), p] of each, as planned rows) fit the scratch together. The rows of a group's windows below
-    // its first row were in the previous group's windows, so the scratch holds them already; the others
-    // enter, into cells whose rows have left (positions below the group's first window)
-    std::vector<int32_t> cell_row(n_cells, -1); // the planned row in each scratch cell
-    int32_t in_end = -1;                        // the last row in the scratch
-    for (int32_t k0 = 0; k0 < ps.n_x_win; ) {
-        llama_ridgefill_window w;
-        w.c0 = k0;
-        const int32_t lo = std::max(ps.X[k0] - n_swa + 1, 0);
-        int32_t n_rows = 0;
-        int32_t end    = lo - 1;
-        int32_t k      = k0;
-        while (k < ps.n_x_win && k - k0 < n_ubatch) {
-            const int32_t a = std::max({ ps.X[k] - n_swa + 1, end + 1, 0 });
-            if (k > k0 && n_rows + (ps.X[k] - a + 1) > n_cells) {
-                break;
-            }
-            n_rows += ps.X[k] - a + 1;
-            end = ps.X[k];
-            ++k;
-        }
-        w.c1 = k;
-        w.lo = ps.pos0 + lo;
-
-        for (int32_t & r : cell_row) {
-            if (r >= 0 && r < lo) {
-                r = -1;
-            }
-        }
-        w.fill.v_trans  = v_scratch;
-        w.fill.strm_swa = 0;
-        w.fill.splice   = f.splice;
-        w.wt.k       = wt0.k;
-        w.wt.v       = wt0.v;
-        w.wt.v_trans = wt0.v_trans;
-        w.wt.strm    = wt0.strm;
-        int32_t c    = 0;   // the next cell to try
-        int32_t last = in_end;
-        for (int32_t kk = k0; kk < w.c1; ++kk) {
-            for (int32_t j = std::max({ ps.X[kk] - n_swa + 1, last + 1, 0 }); j <= ps.X[kk]; ++j) {
-                while (cell_row[c] >= 0) {
-                    ++c;
-                    GGML_ASSERT(c < n_cells);
-                }
-                cell_row[c] = j;
-                w.pos_new  .push_back(ps.pos0 + j);
-                w.cells_new.push_back((uint32_t) c);
-                if (ps.xi[j] < 0) {
-                    w.fill.rows     .push_back(j);
-                    w.fill.pos      .push_back(ps.pos0 + j);
-                    w.fill.cells_swa.push_back(c);
-                } else {
-                    GGML_ASSERT(j == ps.X[kk]);
-                    w.cells_x.push_back((uint32_t) c);
-                    if (ps.cells_swa[j] >= 0) {
-                        w.wt.ids.push_back(kk - k0);
-                        w.wt.cells.push_back(ps.cells_swa[j] + offs_swa);
-                        if (local_v) {
-                            w.wt.cells_v.push_back(ps.cells_swa[j]);
-                        }
-                    }
-                }
-            }
-            last = std::max(last, ps.X[kk]);
-        }
-        w.fill.n_chunk = fill_chunk((int32_t) w.fill.rows.size());
-        in_end = last;
-        k0     = w.c1;
-        ps.windows.push_back(std::move(w));
-    }
 }
 
 std::vector<llama_ridgefill_segment> llama_ridgefill_context::late_segments(int32_t n_x, int32_t n_f, bool fills, bool windowed) const {
@@ -659,50 +523,87 @@ std::string llama_ridgefill_context::run_probe(const llama_ridgefill_plan & p, c
 //
 
 int llama_ridgefill_context::finish() {
+    const int64_t t_start_us = wait_early_phase();
+
+    const llama_ridgefill_plan p = plan;
+    plan = {};
+    const int32_t N = p.pos_end - p.pos0;
+    const int32_t T = std::min(params.n_tail, N);
+
+    std::vector<int64_t> cells;
+    std::vector<int64_t> cells_swa;
+    std::string err = plan_cells(p, cells, cells_swa);
+    if (!err.empty()) {
+        return fail_plan(p, err);
+    }
+    reset_scales(T);
+
+    std::vector<char>      is_exact(N, 0);
+    std::vector<llama_pos> exact;
+    int32_t                n_probe = 0;
+    err = run_late_passes(p, T, std::move(cells), std::move(cells_swa), is_exact, exact, n_probe);
+    if (err.empty() && !lost_servers_after_sync().empty()) {
+        err = "the late phase did not complete";
+    }
+    if (!err.empty()) {
+        return fail_plan(p, err);
+    }
+
+    // the scheduler now holds the late-phase graph: the next decode builds its own
+    lctx.graph_forget(false);
+    cur = {};
+    last_exact = exact;
+
+    record_stats(p, T, (int32_t) exact.size(), (int32_t) std::count(is_exact.begin(), is_exact.end(), 1), n_probe, t_start_us);
+    log_timing();
+    timing = {};
+    return 0;
+}
+
+int64_t llama_ridgefill_context::wait_early_phase() {
     // the early phase's graphs may still run (llama_context::decode does not wait): the selector's
-    // scores are read below. The wait is the early phase's compute, so it counts there
+    // scores are read next. The wait is the early phase's compute, so it counts there
     const int64_t t_sync_us = ggml_time_us();
     ggml_backend_sched_synchronize(lctx.get_sched());
     const int64_t t_start_us = ggml_time_us();
     timing.early_us += t_start_us - t_sync_us;
+    return t_start_us;
+}
 
-    const llama_hparams & hparams = model.hparams;
-    const llama_ridgefill_plan p = plan;
-    plan = {};
+int llama_ridgefill_context::fail_plan(const llama_ridgefill_plan & p, const std::string & msg) {
+    const std::string lost = llama_ridgefill_lost_servers(model);
+    llama_ridgefill_set_error("llama_decode", (lost.empty() ? msg : format("%s: RPC server %s stopped responding, "
+            "the model's tensors there are lost", msg.c_str(), lost.c_str())) + "; the prompt's rows are removed");
+    lctx.get_memory()->seq_rm(p.seq_id, p.pos0, -1);
+    lctx.graph_forget(false);
+    cur = {};
+    return -3;
+}
 
-    const int32_t S        = params.split_layer;
-    const int32_t N        = p.pos_end - p.pos0;
-    const int32_t T        = std::min(params.n_tail, N);
-    const int32_t n_prefix = N - T;
-
-    auto fail = [&](const std::string & msg) {
-        const std::string lost = llama_ridgefill_lost_servers(model);
-        llama_ridgefill_set_error("llama_decode", (lost.empty() ? msg : format("%s: RPC server %s stopped responding, "
-                "the model's tensors there are lost", msg.c_str(), lost.c_str())) + "; the prompt's rows are removed");
-        lctx.get_memory()->seq_rm(p.seq_id, p.pos0, -1);
-        lctx.graph_forget(false);
-        cur = {};
-        return -3;
-    };
-
-    // the cells of the planned rows
+std::string llama_ridgefill_context::plan_cells(const llama_ridgefill_plan & p, std::vector<int64_t> & cells,
+        std::vector<int64_t> & cells_swa) const {
+    const int32_t N = p.pos_end - p.pos0;
     const llama_ridgefill_caches caches(lctx.get_memory());
-    std::vector<int64_t> cells     = llama_ridgefill_find_cells(caches.base, p.seq_id, p.pos0, N);
-    std::vector<int64_t> cells_swa = caches.swa ? llama_ridgefill_find_cells(caches.swa, p.seq_id, p.pos0, N) : std::vector<int64_t>();
+    cells     = llama_ridgefill_find_cells(caches.base, p.seq_id, p.pos0, N);
+    cells_swa = caches.swa ? llama_ridgefill_find_cells(caches.swa, p.seq_id, p.pos0, N) : std::vector<int64_t>();
     // a window-sized sliding-window cache no longer holds the first rows of a long prompt (the late
     // sliding-window layers run them over the scratch, make_windows); every other row must be there
     const size_t n_left = swa_scratch ? std::find_if(cells_swa.begin(), cells_swa.end(), [](int64_t c) { return c >= 0; }) - cells_swa.begin() : 0;
     if (n_left > 0 && p.swa_prefix) {
-        return fail("rows before the planned prompt that its first rows attend to at sliding-window layers have left the "
-                "window-sized sliding-window cache");
+        return "rows before the planned prompt that its first rows attend to at sliding-window layers have left the "
+               "window-sized sliding-window cache";
     }
     if (std::find(cells.begin(), cells.end(), -1) != cells.end() ||
         std::find(cells_swa.begin() + n_left, cells_swa.end(), -1) != cells_swa.end() ||
         (!cells_swa.empty() && n_left == cells_swa.size())) {
-        return fail("a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)");
+        return "a row of the planned prompt is missing from the KV cache (removed while the plan was in progress?)";
     }
+    return "";
+}
 
-    // the scales measured per late layer and KV head (1: not measured)
+void llama_ridgefill_context::reset_scales(int32_t T) {
+    const llama_hparams & hparams = model.hparams;
+    const int32_t S = params.split_layer;
     uint32_t n_head_kv_max = 0;
     for (int32_t il = S; il < n_layer; ++il) {
         n_head_kv_max = std::max(n_head_kv_max, hparams.n_head_kv(il));
@@ -710,38 +611,29 @@ int llama_ridgefill_context::finish() {
     last_v_scales.assign((size_t) (n_layer - S)*n_head_kv_max, 1.0f);
     last_k_scales.assign(std::min(params.n_key_rescale, T) > 0 ? (size_t) (n_layer - S)*n_head_kv_max : 0, 1.0f);
     boundary_states.clear();
+}
 
-    std::vector<char> is_exact(N, 0);
+std::string llama_ridgefill_context::run_late_passes(const llama_ridgefill_plan & p, int32_t T, std::vector<int64_t> cells,
+        std::vector<int64_t> cells_swa, std::vector<char> & is_exact, std::vector<llama_pos> & exact, int32_t & n_probe) {
+    const int32_t n_prefix = (int32_t) is_exact.size() - T;
     std::fill(is_exact.begin() + n_prefix, is_exact.end(), 1);
-
-    std::vector<llama_pos> exact;
-    int32_t     n_probe = 0;
-    std::string err;
     if (params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE && !p.exact_set) {
-        err = run_probe(p, cells, cells_swa, is_exact, exact, n_probe);
-    } else {
-        exact = select_exact(p, cells, n_prefix);
-        for (llama_pos pos : exact) {
-            is_exact[pos - p.pos0] = 1;
-        }
-        llama_ridgefill_pass ps = make_pass(p.seq_id, p.pos0, std::move(cells), std::move(cells_swa), is_exact, T);
-        ps.out_rows = p.out_rows;
-        err = run_pass(ps);
+        return run_probe(p, cells, cells_swa, is_exact, exact, n_probe);
     }
-    if (err.empty() && !lost_servers_after_sync().empty()) {
-        err = "the late phase did not complete";
+    exact = select_exact(p, cells, n_prefix);
+    for (llama_pos pos : exact) {
+        is_exact[pos - p.pos0] = 1;
     }
-    if (!err.empty()) {
-        return fail(err);
-    }
-    const int32_t n_x = std::count(is_exact.begin(), is_exact.end(), 1);
+    llama_ridgefill_pass ps = make_pass(p.seq_id, p.pos0, std::move(cells), std::move(cells_swa), is_exact, T);
+    ps.out_rows = p.out_rows;
+    return run_pass(ps);
+}
 
-    // the scheduler now holds the late-phase graph: the next decode builds its own
-    lctx.graph_forget(false);
-    cur = {};
-    last_exact = exact;
-
-    const double r = double(S)/n_layer + (1.0 - double(S)/n_layer)*double(n_x + n_probe)/N;
+void llama_ridgefill_context::record_stats(const llama_ridgefill_plan & p, int32_t T, int32_t n_exact, int32_t n_x,
+        int32_t n_probe, int64_t t_start_us) {
+    const int32_t S = params.split_layer;
+    const int32_t N = p.pos_end - p.pos0;
+    const double  r = double(S)/n_layer + (1.0 - double(S)/n_layer)*double(n_x + n_probe)/N;
     stats = {};
     stats.active       = 1;
     stats.seq_id       = p.seq_id;
@@ -750,7 +642,7 @@ int llama_ridgefill_context::finish() {
     stats.n_layer      = n_layer;
     stats.split_layer  = S;
     stats.n_tail       = T;
-    stats.n_exact      = (int32_t) exact.size();
+    stats.n_exact      = n_exact;
     stats.n_filled     = N - n_x;
     stats.sel_layer    = p.exact_set ? -1 : params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE ? S : sel_layer;
     stats.n_scale_rows = std::min(params.n_rescale, T);
@@ -781,7 +673,9 @@ int llama_ridgefill_context::finish() {
     stats.t_wait_ms      = timing.wait_us/1000.0;
     stats.t_other_ms     = stats.t_late_ms - (stats.t_build_ms + stats.t_alloc_ms + stats.t_set_input_ms +
                                               stats.t_compute_ms + stats.t_wait_ms);
+}
 
+void llama_ridgefill_context::log_timing() const {
     // LLAMA_RIDGEFILL_TIMING=1: where the time of this prompt went
     if (const char * env = getenv("LLAMA_RIDGEFILL_TIMING"); env && atoi(env) > 0) {
         LLAMA_LOG_INFO("%s: RidgeFill timing: early phase %d graphs built, %d reused, %.1f ms (graph + launch, compute may be async); "
@@ -790,275 +684,11 @@ int llama_ridgefill_context::finish() {
                 stats.t_late_ms, stats.n_late_built, (long long) timing.n_nodes, stats.t_build_ms, stats.t_alloc_ms,
                 stats.t_set_input_ms, stats.t_compute_ms, stats.t_wait_ms, stats.t_other_ms);
     }
-    timing = {};
-    return 0;
 }
 
 //
-// the compute buffers
+// fill steps
 //
-
-// Reserving the compute buffers of a plan's graphs, as named steps: the scheduler keeps the largest
-// buffers of the graphs it reserves, so each step reserves the largest graph of one kind a plan can
-// build - an early ubatch, the late graph of each layer whose graph differs, the multi-layer
-// segments, and the larger chunks of recurrent late layers that fit what the others reserved.
-struct llama_ridgefill_reserver {
-    llama_ridgefill_context & rf;
-    const llama_hparams     & hparams;
-    const llama_cparams     & cparams;
-    const llama_ridgefill_caches caches;
-    ggml_backend_sched_t      sched;
-
-    llama_memory_context_ptr mctx;
-    int32_t n_tokens = 0; // rows of a ubatch
-    int32_t n_f_max  = 0; // the most filled rows a prompt can have
-    int32_t n_query  = 0; // probe query rows
-    llama_ridgefill_late_graph lg;
-    bool ok = true;
-
-    explicit llama_ridgefill_reserver(llama_ridgefill_context & rf) :
-            rf(rf), hparams(rf.model.hparams), cparams(rf.lctx.get_cparams()), caches(rf.lctx.get_memory()),
-            sched(rf.lctx.get_sched()) {
-        mctx     = rf.lctx.get_memory()->init_full();
-        n_tokens = (int32_t) std::min(cparams.n_ctx, cparams.n_ubatch);
-        n_f_max  = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
-        n_query  = rf.params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE ? rf.params.n_sel_queries : 0;
-    }
-
-    void reserve_graph(const llama_ubatch & ub, uint32_t n_outputs) {
-        ggml_cgraph * gf = rf.build_graph(ub, mctx.get(), n_outputs);
-        ok = ok && gf && ggml_backend_sched_reserve(sched, gf);
-    }
-
-    // a pass of n_f filled and n_x exact rows (the last min(T, n_x) of them the tail)
-    llama_ridgefill_pass pass(int32_t n_f, int32_t n_x, int32_t n_q) {
-        std::vector<char> is_exact(n_f + n_x, 0);
-        std::fill(is_exact.begin() + n_f, is_exact.end(), 1);
-        llama_ridgefill_pass ps = rf.make_pass(0, 0, std::vector<int64_t>(n_f + n_x, 0),
-                std::vector<int64_t>(caches.swa ? n_f + n_x : 0, 0), is_exact, std::min(rf.params.n_tail, n_x));
-        ps.n_query = std::min(n_q, ps.T);
-        return ps;
-    }
-
-    void reserve_late(const llama_ridgefill_pass & ps, int32_t l0, int32_t l1, int32_t n_rows) {
-        rf.late_graph(ps, l0, l1, 0, n_rows, lg);
-        rf.cur = std::move(lg.rf);
-        reserve_graph(lg.ub, lg.out_idx.size());
-    }
-
-    // a recurrent layer's graphs: a chunk of n_tokens rows half of them filled, and one all exact
-    void reserve_recurrent(int32_t l0, int32_t l1) {
-        reserve_late(pass(n_tokens/2, n_tokens - n_tokens/2, 0), l0, l1, n_tokens);
-        reserve_late(pass(0, n_tokens, 0), l0, l1, n_tokens);
-    }
-
-    // an early ubatch holding the selector's query rows
-    void early() {
-        std::vector<llama_pos> pos(n_tokens);
-        std::iota(pos.begin(), pos.end(), 0);
-        const llama_ubatch ub = llama_ridgefill_make_ubatch(0, pos, false, hparams.n_pos_per_embd());
-        rf.cur = rf.early_graph(std::vector<int32_t>(n_tokens, 0),
-                std::vector<int32_t>(rf.sel_layer >= 0 ? std::min(n_tokens, rf.params.n_sel_queries) : 0, 0));
-        reserve_graph(ub, 0);
-    }
-
-    // the late graphs of one layer, at the layers whose graphs differ: the last (with logits), the
-    // split layer (input from xs), the probe's last full-attention layer, and the first recurrent late
-    // layer. An attention layer's graph: a chunk of n_tokens exact rows with the most filled rows a
-    // prompt can have in their fill steps
-    void late_layers() {
-        const int32_t S = rf.params.split_layer;
-        std::vector<int32_t> layers = { rf.n_layer - 1, S };
-        for (int32_t il = rf.n_layer - 1; il >= S && n_query > 0; --il) {
-            if (llama_ridgefill_is_full_attention(hparams, il)) {
-                layers.push_back(il);
-                break;
-            }
-        }
-        for (int32_t il = S; il < rf.n_layer; ++il) {
-            if (hparams.is_recr(il)) {
-                layers.push_back(il);
-                break;
-            }
-        }
-        std::sort(layers.begin(), layers.end());
-        layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
-        for (int32_t il : layers) {
-            if (hparams.is_recr(il)) {
-                reserve_recurrent(il, il + 1);
-            } else {
-                reserve_late(pass(n_f_max, n_tokens, n_query), il, il + 1, n_tokens);
-            }
-        }
-    }
-
-    // the graphs of several layers (llama_ridgefill_context::late_segments): each run of recurrent
-    // layers, and the runs of attention layers a pass of one chunk of exact rows shares, for each count
-    // of fill steps (the most filled rows for that count) and for a pass that does not fill (probe)
-    void late_multi_layer() {
-        std::map<std::pair<int32_t, int32_t>, int32_t> multi; // (l0, l1) -> filled rows (-1: no fill)
-        const int32_t n_chunk = rf.fill_step_rows();
-        for (int32_t n_steps = 0; n_steps <= rf.fill_steps_max(); ++n_steps) {
-            const int32_t n_f = std::min(n_f_max, n_steps*n_chunk);
-            for (const auto & sg : rf.late_segments(n_tokens, n_steps > 0 ? n_f : 0, n_steps > 0)) {
-                if (sg.l1 - sg.l0 > 1) {
-                    auto it = multi.emplace(std::make_pair(sg.l0, sg.l1), -1).first;
-                    it->second = std::max(it->second, hparams.is_recr(sg.l0) ? 0 : (n_steps > 0 ? n_f : -1));
-                }
-            }
-        }
-        for (const auto & [sg, n_f] : multi) {
-            if (hparams.is_recr(sg.first)) {
-                reserve_recurrent(sg.first, sg.second);
-            } else if (n_f > 0) {
-                reserve_late(pass(n_f, n_tokens, n_query), sg.first, sg.second, n_tokens);
-            } else {
-                llama_ridgefill_pass ps = pass(n_f_max, n_tokens, n_query);
-                ps.fills = false;
-                reserve_late(ps, sg.first, sg.second, n_tokens);
-            }
-        }
-    }
-
-    // a window-sized sliding-window cache: the graph of a late sliding-window layer over the scratch
-    // (its attention reads up to all of it), at the first such layer and the last layer (with logits)
-    void late_window() {
-        if (!rf.swa_scratch) {
-            return;
-        }
-        llama_memory_context_ptr m = caches.scratch_context(rf.swa_scratch.get(), 0,
-                llama_ridgefill_make_ubatch(0, {}, false, 1), {}, {});
-        std::swap(m, mctx);
-        const int32_t n_f = std::min<int32_t>(n_f_max, (int32_t) rf.swa_scratch->get_size());
-        bool first = true;
-        for (int32_t il = rf.params.split_layer; il < rf.n_layer; ++il) {
-            if (hparams.is_swa(il) && !hparams.is_recr(il) && (first || il == rf.n_layer - 1)) {
-                reserve_late(pass(n_f, n_tokens, n_query), il, il + 1, n_tokens);
-                first = false;
-            }
-        }
-        std::swap(m, mctx);
-    }
-
-    // recurrent late layers: chunks of more rows than n_ubatch (at most n_ubatch of them exact), as
-    // many as the compute buffers reserved so far hold: fewer graphs, and no more memory. Sets
-    // rf.n_late_rows_recr
-    void recurrent_chunks() {
-        rf.n_late_rows_recr = n_tokens;
-        std::vector<llama_ridgefill_segment> recurrent;
-        for (const auto & sg : rf.late_segments(n_tokens, 0, false)) {
-            if (hparams.is_recr(sg.l0)) {
-                recurrent.push_back(sg);
-            }
-        }
-        const int n_backends = ggml_backend_sched_get_n_backends(sched);
-        std::vector<size_t> have(n_backends);
-        std::vector<size_t> need(n_backends);
-        for (int i = 0; i < n_backends; ++i) {
-            have[i] = ggml_backend_sched_get_buffer_size(sched, ggml_backend_sched_get_backend(sched, i));
-        }
-        for (int32_t m = 8; ok && !recurrent.empty() && m >= 2 && rf.n_late_rows_recr == n_tokens; m /= 2) {
-            const int32_t n_rows = std::min<int32_t>(m*n_tokens, cparams.n_ctx);
-            if (n_rows <= n_tokens) {
-                continue;
-            }
-            // a chunk with n_ubatch exact rows runs the segment in one graph, one without exact rows
-            // each layer in its own
-            const llama_ridgefill_pass mixed  = pass(n_rows - n_tokens, n_tokens, 0);
-            const llama_ridgefill_pass filled = pass(n_rows, 0, 0);
-            std::vector<std::pair<const llama_ridgefill_pass *, llama_ridgefill_segment>> graphs;
-            for (const auto & sg : recurrent) {
-                graphs.push_back({ &mixed,  sg });
-                graphs.push_back({ &filled, { sg.l0, sg.l0 + 1 } });
-            }
-            bool fits = true;
-            for (const auto & [ps, sg] : graphs) {
-                rf.late_graph(*ps, sg.l0, sg.l1, 0, n_rows, lg);
-                rf.cur = std::move(lg.rf);
-                ggml_cgraph * gf = rf.build_graph(lg.ub, mctx.get(), lg.out_idx.size());
-                if (gf == nullptr) {
-                    fits = false;
-                    break;
-                }
-                ggml_backend_sched_reserve_size(sched, gf, need.data());
-                for (int i = 0; i < n_backends; ++i) {
-                    fits = fits && need[i] <= have[i];
-                }
-            }
-            if (fits) {
-                for (const auto & [ps, sg] : graphs) {
-                    reserve_late(*ps, sg.l0, sg.l1, n_rows);
-                }
-                rf.n_late_rows_recr = n_rows;
-            }
-        }
-    }
-};
-
-bool llama_ridgefill_context::reserve() {
-    const llama_cparams & cparams = lctx.get_cparams();
-    if (params.split_layer >= n_layer) {
-        return true; // every prompt runs stock
-    }
-    const auto & capture = cparams.embeddings_layer_inp;
-    if (std::find(capture.begin(), capture.end(), true) != capture.end()) {
-        return true; // no plan begins while a layer-input capture is on; turning it off reserves again
-    }
-    if (cparams.embeddings) {
-        return true; // no plan begins while embeddings are on (llama_set_embeddings); turning them off reserves again
-    }
-
-    if (!create_swa_scratch()) {
-        return false;
-    }
-    llama_ridgefill_reserver rs(*this);
-    if (!rs.mctx) {
-        return false;
-    }
-    rs.early();
-    rs.late_layers();
-    rs.late_window();
-    rs.late_multi_layer();
-    rs.recurrent_chunks();
-
-    res_late->reset();
-    cur = {};
-
-    // the scheduler no longer holds the previous graph; the compute buffers are what is expected now
-    lctx.graph_forget(true);
-    return rs.ok;
-}
-
-bool llama_ridgefill_context::create_swa_scratch() {
-    const llama_hparams & hparams = model.hparams;
-    const llama_cparams & cparams = lctx.get_cparams();
-    const llama_ridgefill_caches caches(lctx.get_memory());
-    if (swa_scratch || !caches.swa || caches.swa->get_size() >= caches.base->get_size()) {
-        return true; // made already, or the sliding-window cache holds every row of a prompt
-    }
-    int32_t il0 = -1;
-    for (int32_t il = params.split_layer; il < n_layer && il0 < 0; ++il) {
-        il0 = hparams.is_swa(il) && !hparams.is_recr(il) ? il : -1;
-    }
-    if (il0 < 0) {
-        return true; // no late sliding-window layer
-    }
-    // room for a window and two ubatches of exact rows' positions, like the sliding-window cache's
-    // n_swa + n_ubatch cells (fewer window graphs for a little more memory)
-    const uint32_t n_pad  = 256;
-    const uint32_t n_size = std::min(caches.base->get_size(), GGML_PAD(hparams.n_swa + 2*cparams.n_ubatch, n_pad));
-    const int32_t  S      = params.split_layer;
-    try {
-        swa_scratch = std::make_unique<llama_kv_cache>(model, hparams,
-                caches.swa->get_k_storage(il0)->type, caches.swa->get_v_storage(il0)->type, caches.swa->get_v_trans(),
-                cparams.offload_kqv, /*unified =*/ true, n_size, cparams.n_seq_max, n_pad, hparams.n_swa, hparams.swa_type,
-                nullptr, [&](int32_t il) { return il >= S && hparams.is_swa(il); }, nullptr, nullptr, "ridgefill_window_");
-    } catch (const std::exception & err) {
-        LLAMA_LOG_ERROR("%s: failed to create the scratch cache of the late sliding-window layers: %s\n", __func__, err.what());
-        return false;
-    }
-    return true;
-}
 
 int32_t llama_ridgefill_context::fill_steps_max() const {
     // about 40 nodes a step, in half the node budget of a ubatch's graph

@@ -1,6 +1,6 @@
 """The package's layout: each part imports only the parts below it (no circle), and the command line
 is thin. The order, lowest first: core, maps, testing (the tiny models and synthetic maps), runtime, fitting, quality, server, then the command line
-(``cli.py``) and the package root; the oracle stands beside them and imports none of the code it
+(the ``cli`` folder, a module per command) and the package root; the oracle stands beside them and imports none of the code it
 checks except the GGUF reader (``core.gguf_model``) and, for its types, the map file's data class."""
 
 from __future__ import annotations
@@ -64,7 +64,52 @@ def test_every_part_imports_only_the_parts_below_it():
     assert wrong == []
 
 
-def test_the_parts_are_folders_and_the_root_holds_only_the_entry_points():
-    assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py", "cli.py"]
-    for part in LAYERS[:-2] + ["oracle"]:
+def test_the_parts_are_folders_and_the_root_holds_only_the_entry_point():
+    assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py"]
+    for part in LAYERS[:-1] + ["oracle"]:
         assert (PKG / part / "__init__.py").is_file(), part
+
+
+def test_the_command_line_is_a_module_per_command_none_over_300_lines():
+    """``ridgefill_cpp/cli/``: the app and its shared helpers, the tables several commands print, and
+    one module per command (its options, its help, the call into the library)."""
+    from ridgefill_cpp.cli import COMMANDS
+
+    cli = PKG / "cli"
+    assert sorted(p.stem for p in cli.glob("*.py")) == sorted(["__init__", "app", "show", *COMMANDS])
+    sizes = {p.name: len(p.read_text().splitlines()) for p in cli.glob("*.py")}
+    assert max(sizes.values()) <= 300, sizes
+
+
+CSRC = PKG.parent / "csrc"
+
+
+def _c_functions(path: Path) -> list[tuple[str, int]]:
+    """(first line, length in lines) of each function defined at the top level of a C++ file, in
+    llama.cpp's style: a definition starting in column 0 whose body closes with a '}' in column 0."""
+    lines = path.read_text().splitlines()
+    out = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line and not line[0].isspace() and "(" in line and not line.startswith(("//", "#", "}", "struct ", "static const")):
+            j = i
+            while j < len(lines) and not lines[j].rstrip().endswith("{") and not lines[j].rstrip().endswith(";"):
+                j += 1
+            if j < len(lines) and lines[j].rstrip().endswith("{"):
+                k = lines.index("}", j)
+                out.append((line.strip(), k - i + 1))
+                i = k
+        i += 1
+    return out
+
+
+def test_no_csrc_file_over_900_lines_and_no_function_over_150():
+    """One room at a time: a C++ unit a reader can hold (the late phase, the window graphs and the
+    reservation of compute buffers are units of their own), functions of named steps."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in CSRC.rglob("*.cpp")}
+    assert max(sizes.values()) <= 900, sizes
+    long = [(p.name, name, n) for p in CSRC.rglob("*.cpp") for name, n in _c_functions(p) if n > 150]
+    assert long == []
+    finish = dict(_c_functions(CSRC / "llama-ridgefill-late.cpp"))
+    assert finish["int llama_ridgefill_context::finish() {"] <= 50

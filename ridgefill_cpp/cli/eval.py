@@ -1,0 +1,96 @@
+"""``ridgefill-gguf eval``: what filling costs in quality against exact prefill."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..core import settings
+from ..core.limits import MAX_THREADS
+from .app import (SELECTOR_NAMES, app, check_output_dir, check_prefill_args, csv, err, fail,
+                  given_options, number_list, out, read_text_option, resolve_operating_point, tuned_help)
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
+    maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
+    compare_maps: Optional[list[Path]] = typer.Option(None, "--compare-maps", help="Another map file for the first one's split (e.g. `fit --ctx 4096`, other text); repeat for more. Each is a ridge variant with a paired ΔNLL difference against the first file and a retrieval condition with the attention selector."),
+    text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", "-l", help="Prompt lengths in tokens, comma-separated "
+                                          f"(default {csv(settings.EVAL_LENGTHS)}; --quick: {csv(settings.EVAL_QUICK['lengths'])})."),
+    tail: Optional[int] = typer.Option(None, "--tail", min=1, help=tuned_help("T: the last prompt rows, exact; their next-token losses are scored", "tail", first=True)),
+    exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=tuned_help("Share of the prefix rows the selector keeps exact", "exact_fraction", first=True)),
+    selector: Optional[str] = typer.Option(None, "--selector", help=tuned_help(f"Exact-row selector of the fill variants: {SELECTOR_NAMES} (protected and attention+protected optionally :CLASS+CLASS of {', '.join(settings.TOKEN_CLASSES)})", "selector", first=True)),
+    selectors: str = typer.Option("", "--selectors", help="More selector variants of ridge fill to compare, comma-separated (e.g. probe,protected:digits,attention@16,attention@1); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
+    queries: Optional[str] = typer.Option(None, "--queries", help=f"More query-row counts of the attention and probe selectors to compare, comma-separated (e.g. 16,32; the default is the last {settings.N_QUERIES} prompt rows, capped at the tail); each also gets a retrieval condition and a paired ΔNLL difference against plain ridge."),
+    value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off; default {settings.VALUE_RESCALE})."),
+    docs: Optional[int] = typer.Option(None, "--docs", min=0, help=f"Documents per length, 0 or at least 2; 0: retrieval only, no ΔNLL (default {settings.EVAL_DOCS}; --quick: {settings.EVAL_QUICK['n_docs']})."),
+    key_rescale: Optional[int] = typer.Option(None, "--key-rescale", min=0, help="c_K > 0: also evaluate ridge fill with the key rescale measured on c_K tail rows (default: the first map file's tuned c_K, else no such variant)."),
+    splice: bool = typer.Option(True, "--splice/--no-splice", help="Run the splice test (exact K, exact V; hybrids also the exact recurrent state)."),
+    codes: int = typer.Option(1, "--codes", min=1, max=12, help="Facts per retrieval prompt: the one asked for at each depth and codes - 1 distractors of other names spread over the rows before it (1: the single-fact test)."),
+    depths: Optional[str] = typer.Option(None, "--depths", help="Retrieval: depths of the asked-for fact, comma-separated shares of the filled region (default 0.1,0.3,0.5,0.7,0.9)."),
+    retrieval_prompts: Optional[int] = typer.Option(None, "--retrieval-prompts", min=1, help="Retrieval prompts per depth, each with other names and codes (default 2)."),
+    quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
+    swa_full: bool = typer.Option(True, "--swa-full/--no-swa-full", help="Models with sliding-window layers (gemma3, gpt-oss): every variant on a full-size KV cache (libllama's default) or on a window-sized one (llama-server's default, with --no-swa-full)."),
+    out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
+) -> None:
+    """Measure what filling costs in quality, against exact prefill of the same prompts: ΔNLL on all,
+    novel and key tail tokens with bootstrap CIs over documents, perplexity ratios, the splice test
+    (share of the error in K vs V), planted-fact retrieval from the filled region (exact / identity /
+    ridge, with and without the selector), and the speed of the same runs. Writes a Markdown report,
+    plots and a JSON file."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from ..quality.evaluate import EvalOptions, evaluate
+    from ..maps.mapfile import MapFileError
+    from ..quality.report import ci_text, write_report
+
+    tail, exact_fraction, selector, key_rescale = resolve_operating_point(maps[0] if maps else None, tail, exact_fraction,
+                                                                          selector, key_rescale)
+    key_rescale = key_rescale or None  # 0: no such variant
+    ns = check_prefill_args(model, lengths, selector)
+    check_output_dir(out_dir, "--out")
+    kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads, codes=codes,
+              swa_full=swa_full, selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
+              queries=tuple(number_list(queries, "--queries", int)) if queries else (),
+              **given_options(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale,
+                              depths=depths and tuple(number_list(depths, "--depths", float)),
+                              names_per_depth=retrieval_prompts))
+    options = EvalOptions.quick(**kw) if quick else EvalOptions(**kw)
+    texts = read_text_option(text)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("evaluating: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  console=err) as bar:
+        task = bar.add_task("", total=None)
+        try:
+            res = evaluate(model, maps, options, texts=texts, compare_maps=compare_maps or (),
+                           progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
+        except (ValueError, MapFileError) as e:
+            fail(str(e))
+    try:
+        paths = write_report(res, out_dir, time.perf_counter() - t0)
+    except OSError as e:
+        fail(f"--out {out_dir}: could not write the report: {e.strerror or e}")
+    for n, s in res.summary.items():
+        t = Table(title=f"{Path(res.model).name}, {n}-token prompts: ΔNLL vs exact (nats, 95 % CI, {len(res.docs[n]['exact'])} documents)")
+        for col in ("variant", "novel", "key", "all", "speed"):
+            t.add_column(col, justify="right" if col != "variant" else "left")
+        for v, row in s.items():
+            cell = lambda m: ci_text(row.get(m) and row[m]["delta"], bound_fmt="{:+.3f}")  # noqa: E731
+            t.add_row(v, cell("novel"), cell("key"), cell("all"), f"{res.ttft_ratio(int(n), v):.2f}x")
+        out.print(t)
+    for n, r in res.retrieval.items():
+        t = Table(title=f"{Path(res.model).name}, {n}-token prompts: filled-region retrieval ({len(r['exact']['answers'])} prompts)")
+        for col in ("condition", "accuracy", "kept (of exact's)"):
+            t.add_column(col, justify="right" if col != "condition" else "left")
+        for cond, v in r.items():
+            t.add_row(cond, f"{v['accuracy']['estimate']:.0%} [{v['accuracy']['low']:.0%}, {v['accuracy']['high']:.0%}]",
+                      f"{v['kept'][0]}/{v['kept'][1]}")
+        out.print(t)
+    out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
