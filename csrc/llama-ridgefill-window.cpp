@@ -7,7 +7,6 @@
 // are built and run with the other late graphs (llama-ridgefill-late.cpp: late_graph, run_graph).
 
 #include "llama-ridgefill-context.h"
-#include "llama-ridgefill-arch.h"
 #include "llama-ridgefill-memory.h"
 
 #include "llama-context.h"

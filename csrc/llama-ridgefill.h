@@ -51,8 +51,8 @@ extern "C" {
     // architecture, n_layer, n_embd, split, the range of every number in its metadata (an
     // input_norm_eps in [0, LLAMA_RIDGEFILL_MAX_NORM_EPS]), the list of mapped layers, tensor names,
     // shapes, types, each tensor's content digest (ridgefill.digest.xxh64, XXH64 of its bytes; a file
-    // without one is refused unless LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1) and finite values, and with params.model_path the fingerprint of the model
-    // file the maps were fitted on. Returns NULL on any mismatch; llama_ridgefill_last_error() says
+    // without one is refused unless LLAMA_RIDGEFILL_ALLOW_UNDIGESTED=1) and finite values, and with
+    // params.model_path the fingerprint of the model file the maps were fitted on. Returns NULL on any mismatch; llama_ridgefill_last_error() says
     // what did not match, naming the key or the tensor.
     LLAMA_API struct llama_ridgefill_maps * llama_ridgefill_maps_init(
             const struct llama_model * model,

@@ -137,8 +137,8 @@ server_ridgefill_request server_ridgefill_parse_request(const common_json & valu
                 req.exact_fraction = val.get<double>();
             } else if (key == "selector") {
                 // the whole string, not its C prefix: "attention\u0000junk" is no selector's name
-                const bool is_name = val.is_string() && val.get<std::string>().find('\0') == std::string::npos;
-                const int32_t sel = is_name ? llama_ridgefill_selector_from_name(val.get<std::string>().c_str()) : -1;
+                const std::string name = val.is_string() ? val.get<std::string>() : std::string();
+                const int32_t sel = name.find('\0') == std::string::npos ? llama_ridgefill_selector_from_name(name.c_str()) : -1;
                 if (sel < 0) {
                     throw std::invalid_argument("\"selector\" must be one of " + rf_selector_names() + ", got " + rf_quote(val));
                 }
