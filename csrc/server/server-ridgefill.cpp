@@ -367,3 +367,20 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     times["other"]     = st.t_other_ms;
     stats["times_ms"] = times;
 }
+
+const char * server_ridgefill_no_ui_page() {
+    return R"(<!doctype html>
+<html lang="en">
+<head><meta charset="utf-8"><title>llama-server</title></head>
+<body style="font-family: sans-serif; max-width: 42em; margin: 3em auto; padding: 0 1em; line-height: 1.5">
+<h1>llama-server</h1>
+<p>This llama-server was built without llama.cpp's web UI. Building the UI needs node (20.19 or newer)
+and npm; the set-up of ridgefill-cpp said in one line why it left the UI out.</p>
+<p>To get the chat page here: install node and npm, then run <code>make native</code> again in the
+ridgefill-cpp checkout.</p>
+<p>The API works: <code>/v1/chat/completions</code>, <code>/v1/completions</code>, <code>/completion</code>,
+<code>/props</code>, <code>/health</code>.</p>
+</body>
+</html>
+)";
+}

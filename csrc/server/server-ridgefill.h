@@ -84,6 +84,10 @@ server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
 // ones; split -1: the map file's
 common_json server_ridgefill_props(const common_params_ridgefill & params);
 
+// the page at "/" of a llama-server built without llama.cpp's web UI (tools/build_ui.py found no
+// node and npm): what is missing and how to get it, instead of a JSON 404
+const char * server_ridgefill_no_ui_page();
+
 struct server_ridgefill {
     server_ridgefill() = default;
     server_ridgefill(const server_ridgefill &) = delete;

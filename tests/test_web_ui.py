@@ -1,0 +1,101 @@
+"""llama.cpp's web UI in a RidgeFill llama-server, in a real browser (headless Chromium driven by
+selenium; tools/measure/web_ui.py): the page at "/" is the chat UI, a long message typed into it and
+sent gets an answer, and the answer's statistics show what RidgeFill did - rows filled and exact of the
+prompt, the split, prefill time and the ceiling (patches/0010-ui-ridgefill.patch) - with the same
+numbers as the server's own /metrics counters. The UI's Custom JSON setting turns RidgeFill off
+({"ridgefill": false}) and the line then says so; a server without RidgeFill shows no RidgeFill line.
+
+Without Chromium, chromedriver or selenium, or with a llama-server built without the UI (no node and
+npm at set-up), the tests are skipped with the reason; RIDGEFILL_REQUIRE_UI=1 (set by .ci/run) makes
+that a failure, so CI always runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+
+import pytest
+
+from ridgefill_cpp import RidgeFill
+from ridgefill_cpp.server.serve import Server
+from test_serve import no_proxy  # noqa: F401  (autouse: loopback requests never go through a proxy)
+from web_ui import browser, document_prompt, find_browser, page_kind, send, set_custom_json
+
+pytestmark = pytest.mark.slow
+
+#: one slot, a short answer, the RidgeFill statistics in /metrics
+ARGS = ["-c", "4096", "-np", "1", "-n", "16", "--threads", "2", "-ngl", "0", "--metrics", "--no-warmup"]
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("RIDGEFILL_REQUIRE_UI") == "1":
+        pytest.fail(f"{why} (RIDGEFILL_REQUIRE_UI=1: this machine must run the web UI tests)")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def drv():
+    _, _, why = find_browser()
+    if why:
+        _unavailable(why)
+    with browser() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def message(smollm2_path) -> str:
+    return document_prompt(smollm2_path, 1600)
+
+
+def _ui_url(srv: Server) -> str:
+    kind = page_kind(srv.url)
+    if kind == "no-ui":
+        _unavailable("this llama-server was built without llama.cpp's web UI (set-up found no node >= 20.19 and npm)")
+    assert kind == "ui", f"{srv.url}/ answers {kind}, not a page"
+    return srv.url
+
+
+def _metrics(srv: Server) -> dict[str, float]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(srv.url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {k.split(":")[1]: float(v) for k, v in (line.split() for line in text.splitlines()
+                                                    if line.startswith("llamacpp:ridgefill_"))}
+
+
+def _number(s: str) -> int:
+    return int(s.replace(",", ""))
+
+
+def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, drv, message, tmp_path):
+    rf = RidgeFill.identity(split=20)
+    with Server(smollm2_path, rf, extra_args=ARGS, log_path=tmp_path / "rf.log", startup_timeout=120) as srv:
+        url = _ui_url(srv)
+        planned = send(drv, url, message)
+        assert planned.text and "t/s" in planned.stats
+        assert planned.ridgefill_state == "applied", planned
+        m = re.search(r"([\d,]+) of ([\d,]+) rows filled, ([\d,]+) exact", planned.ridgefill)
+        assert m, planned.ridgefill
+        filled, n_prompt, exact = (_number(g) for g in m.groups())
+        assert n_prompt >= 1500 and filled > 0 and filled + exact == n_prompt
+        assert "split 20/30" in planned.ridgefill and re.search(r"ceiling \d\.\d\dx", planned.ridgefill)
+        # the page's numbers are the server's: its counters saw exactly this one plan
+        after = _metrics(srv)
+        assert after["ridgefill_prefills_total"] == 1
+        assert (after["ridgefill_rows_filled_total"], after["ridgefill_rows_exact_total"]) == (filled, exact)
+
+        # Settings > Developer > Custom JSON {"ridgefill": false}: exact prefill, and the line says why
+        set_custom_json(drv, url, {"ridgefill": False})
+        exact_answer = send(drv, url, message)
+        assert exact_answer.text and exact_answer.ridgefill_state == "stock", exact_answer
+        assert "exact prefill requested" in exact_answer.ridgefill
+        assert _metrics(srv)["ridgefill_prefills_total"] == 1
+
+
+def test_a_server_without_ridgefill_shows_no_ridgefill_line(smollm2_path, drv, message, tmp_path):
+    with Server(smollm2_path, None, extra_args=ARGS, log_path=tmp_path / "stock.log", startup_timeout=120) as srv:
+        answer = send(drv, _ui_url(srv), message)
+    assert answer.text and "t/s" in answer.stats
+    assert answer.ridgefill is None and answer.ridgefill_state is None

@@ -1,0 +1,197 @@
+"""llama.cpp's web UI in a real browser: headless Chromium (Debian's ``chromium`` and ``chromium-driver``)
+driven by selenium against a running llama-server. Sends one message the way a user does (the text
+put into the chat box, the Send button clicked), waits until the answer is complete, and reads what
+the page shows: the answer, its statistics line and RidgeFill's line (patches/0010-ui-ridgefill.patch).
+Used by tests/test_web_ui.py; as a script it starts a RidgeFill llama-server, sends a long document
+and saves the page as a screenshot (docs/web-ui/).
+
+    python tools/measure/web_ui.py MODEL (--maps MAPS | --identity-split S) [--tokens 1600]
+        [--n-predict 48] --screenshot page.png [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: headless, no sandbox (CI runs as root), nothing that reaches the network or a GPU
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-extensions", "--disable-default-apps", "--no-first-run", "--mute-audio")
+#: the text of llama-server's page when it was built without the UI (csrc/server/server-ridgefill.cpp)
+NO_UI_MARKER = "built without llama.cpp's web UI"
+
+
+def find_browser() -> tuple[str | None, str | None, str]:
+    """(chromium, chromedriver, '') or (None, None, why not). RIDGEFILL_CHROMIUM and RIDGEFILL_CHROMEDRIVER
+    name other binaries."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return None, None, "selenium is not installed (it is a test dependency: pip install selenium)"
+    chromium = os.environ.get("RIDGEFILL_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = os.environ.get("RIDGEFILL_CHROMEDRIVER") or shutil.which("chromedriver")
+    if not chromium or not driver:
+        missing = " and ".join(n for n, p in (("chromium", chromium), ("chromedriver", driver)) if not p)
+        return None, None, f"{missing} not found (Debian: apt install chromium chromium-driver)"
+    return chromium, driver, ""
+
+
+def page_kind(url: str, timeout: float = 30) -> str:
+    """What llama-server answers at "/": "ui" (llama.cpp's chat page), "no-ui" (the page saying how to
+    get it) or "other: <status/type>"."""
+    req = urllib.request.Request(url + "/", headers={"Accept-Encoding": "gzip"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            body = r.read()
+            if r.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            ctype = r.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as e:
+        return f"other: HTTP {e.code}"
+    text = body.decode("utf-8", "replace")
+    if "text/html" not in ctype:
+        return f"other: {ctype}"
+    return "no-ui" if NO_UI_MARKER in text else "ui"
+
+
+@contextmanager
+def browser(width: int = 1280, height: int = 1000):
+    """A headless Chromium session (selenium's webdriver), closed on exit."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver, why = find_browser()
+    if why:
+        raise RuntimeError(why)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in CHROMIUM_FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--window-size={width},{height}")
+    drv = webdriver.Chrome(service=Service(executable_path=driver), options=opts)
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
+@dataclass
+class Answer:
+    text: str                  # the assistant's answer as the page shows it
+    stats: str                 # the answer's statistics line (tokens, time, t/s)
+    ridgefill: str | None      # RidgeFill's line, None when the page shows none
+    ridgefill_state: str | None  # "applied" (a planned prompt) or "stock" (the server said why)
+    seconds: float             # from the click on Send to the complete answer
+
+
+_STOP = "//button[.//span[normalize-space()='Stop']]"
+_SEND = "//button[@type='submit'][.//span[normalize-space()='Send']]"
+
+
+def send(drv, url: str, text: str, timeout: float = 300) -> Answer:
+    """Open the UI at url in a fresh conversation, send text as the user's message and wait for the
+    complete answer (the Stop button came and went, the answer's statistics are shown)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    drv.get(url + "/")
+    box = WebDriverWait(drv, 60).until(EC.element_to_be_clickable((By.CSS_SELECTOR, "textarea")))
+    # the text goes in as typed input (an input event on the chat box), not as a paste: the UI turns a
+    # long paste into a file attachment
+    drv.execute_script("const t = arguments[0]; t.focus(); t.value = arguments[1];"
+                       "t.dispatchEvent(new Event('input', {bubbles: true}));", box, text)
+    WebDriverWait(drv, 30).until(EC.element_to_be_clickable((By.XPATH, _SEND))).click()
+    t0 = time.monotonic()
+    WebDriverWait(drv, 60, poll_frequency=0.1).until(EC.presence_of_element_located((By.XPATH, _STOP)))
+    WebDriverWait(drv, timeout, poll_frequency=0.2).until_not(EC.presence_of_element_located((By.XPATH, _STOP)))
+    msg = WebDriverWait(drv, 30).until(EC.presence_of_element_located(
+        (By.XPATH, "//*[contains(@class, 'chat-message-assistant')][.//*[contains(@class, 'info')]//*[contains(., 't/s')]]")))
+    seconds = time.monotonic() - t0
+    info = msg.find_element(By.CSS_SELECTOR, ".info")
+    rf = info.find_elements(By.CSS_SELECTOR, "[data-ridgefill]")
+    answer = drv.execute_script("const c = arguments[0].cloneNode(true); c.querySelectorAll('.info').forEach(e => e.remove());"
+                                "return c.innerText;", msg)
+    stats = info.text.replace(rf[0].text, "").strip() if rf else info.text.strip()
+    return Answer(text=answer.strip(), stats=stats, ridgefill=rf[0].text.strip() if rf else None,
+                  ridgefill_state=rf[0].get_attribute("data-ridgefill") if rf else None, seconds=seconds)
+
+
+def set_custom_json(drv, url: str, custom: dict) -> None:
+    """Settings > Developer > Custom JSON, as a user sets it: the object is merged into every request
+    the UI sends (e.g. {"ridgefill": false}). Written into the UI's stored settings (localStorage
+    "LlamaUi.config"), then the page is loaded again."""
+    drv.get(url + "/")
+    drv.execute_script(
+        "const key = 'LlamaUi.config'; const v = JSON.parse(localStorage.getItem(key) || '{}');"
+        "v.customJson = arguments[0]; localStorage.setItem(key, JSON.stringify(v));", json.dumps(custom))
+    drv.refresh()
+
+
+def document_prompt(model: Path, n_tokens: int) -> str:
+    """A message of about n_tokens tokens: an instruction and prose of the evaluation corpus (Python's
+    language reference, pydoc_data.topics; PSF-2.0)."""
+    import ridgefill_cpp  # noqa: F401  (the patched libraries)
+    from llama_cpp import Llama
+
+    from ridgefill_cpp.fitting import corpus
+
+    prose = (d for d in corpus.default_documents("evaluation") if d.name.startswith("pydoc:"))
+    text = "\n".join(d.text for _, d in zip(range(12), prose))
+    llm = Llama(model_path=str(model), vocab_only=True, verbose=False)
+    try:
+        ids = llm.tokenize(text.encode(), add_bos=False)[:n_tokens]
+        body = llm.detokenize(ids).decode("utf-8", "ignore")
+    finally:
+        llm.close()
+    return "Summarise the following text in two sentences.\n\n" + body
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--maps", type=Path)
+    ap.add_argument("--identity-split", type=int)
+    ap.add_argument("--tokens", type=int, default=1600)
+    ap.add_argument("--n-predict", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--screenshot", type=Path, required=True)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    from ridgefill_cpp import RidgeFill
+    from ridgefill_cpp.server.serve import Server
+
+    rf = RidgeFill(args.maps) if args.maps else RidgeFill.identity(split=args.identity_split)
+    text = document_prompt(args.model, args.tokens)
+    server_args = ["-c", "4096", "-np", "1", "-n", str(args.n_predict), "--threads", str(args.threads), "-ngl", "0"]
+    with Server(args.model, rf, extra_args=server_args, startup_timeout=120) as srv:
+        kind = page_kind(srv.url)
+        if kind != "ui":
+            print(f"web_ui: {srv.url}/ is not the UI ({kind})", file=sys.stderr)
+            return 1
+        with browser() as drv:
+            answer = send(drv, srv.url, text)
+            args.screenshot.parent.mkdir(parents=True, exist_ok=True)
+            drv.save_screenshot(str(args.screenshot))
+    print(json.dumps(asdict(answer), indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(dict(asdict(answer), model=args.model.name, maps=str(args.maps),
+                                             tokens=args.tokens), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
