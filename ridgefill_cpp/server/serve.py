@@ -403,7 +403,7 @@ def serve(model: str | os.PathLike, ridgefill: RidgeFill | str | os.PathLike | N
             elif not healthy:
                 if http_status(url + "/health", api_key, timeout=1.0) == 200 and proc.poll() is None:
                     healthy = True
-                    echo(f"llama-server is ready: {url}")
+                    echo(f"llama-server is ready: {url}  (open it in a browser: llama.cpp's chat page)")
                     echo(f"OpenAI base URL: {url}/v1  (Ctrl-C stops the server)")
                 elif now > deadline:
                     P.stop_process(proc, grace)

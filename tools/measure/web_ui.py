@@ -6,7 +6,7 @@ Used by tests/test_web_ui.py; as a script it starts a RidgeFill llama-server, se
 and saves the page as a screenshot (docs/web-ui/).
 
     python tools/measure/web_ui.py MODEL (--maps MAPS | --identity-split S) [--tokens 1600]
-        [--n-predict 48] --screenshot page.png [--json out.json]
+        [--n-predict 48] [--exact-too] --screenshot page.png [--json out.json]
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def browser(width: int = 1280, height: int = 1000):
 class Answer:
     text: str                  # the assistant's answer as the page shows it
     stats: str                 # the answer's statistics line (tokens, time, t/s)
+    prompt_stats: str          # the message's statistics line (prompt tokens, prompt time, tokens/s)
     ridgefill: str | None      # RidgeFill's line, None when the page shows none
     ridgefill_state: str | None  # "applied" (a planned prompt) or "stock" (the server said why)
     seconds: float             # from the click on Send to the complete answer
@@ -125,7 +126,11 @@ def send(drv, url: str, text: str, timeout: float = 300) -> Answer:
     answer = drv.execute_script("const c = arguments[0].cloneNode(true); c.querySelectorAll('.info').forEach(e => e.remove());"
                                 "return c.innerText;", msg)
     stats = info.text.replace(rf[0].text, "").strip() if rf else info.text.strip()
-    return Answer(text=answer.strip(), stats=stats, ridgefill=rf[0].text.strip() if rf else None,
+    prompt_stats = drv.execute_script(
+        "const u = [...document.querySelectorAll('.chat-message-user')].pop();"
+        "const s = u && u.querySelector('div.inline-flex.items-center.text-xs'); return s ? s.innerText : '';")
+    return Answer(text=answer.strip(), stats=stats, prompt_stats=prompt_stats.strip(),
+                  ridgefill=rf[0].text.strip() if rf else None,
                   ridgefill_state=rf[0].get_attribute("data-ridgefill") if rf else None, seconds=seconds)
 
 
@@ -138,6 +143,22 @@ def set_custom_json(drv, url: str, custom: dict) -> None:
         "const key = 'LlamaUi.config'; const v = JSON.parse(localStorage.getItem(key) || '{}');"
         "v.customJson = arguments[0]; localStorage.setItem(key, JSON.stringify(v));", json.dumps(custom))
     drv.refresh()
+
+
+def http_chat(url: str, text: str, ridgefill: bool, timeout: float = 600) -> dict:
+    """The same message as the page sends it (streamed, timings per token), over plain HTTP: the final
+    timings and RidgeFill statistics."""
+    body = {"messages": [{"role": "user", "content": text}], "stream": True, "timings_per_token": True,
+            "ridgefill": ridgefill, "cache_prompt": False}  # the whole prompt prefilled each time
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    last: dict = {}
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                last.update({k: chunk[k] for k in ("timings", "ridgefill") if k in chunk})
+    return last
 
 
 def document_prompt(model: Path, n_tokens: int) -> str:
@@ -169,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--screenshot", type=Path, required=True)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--exact-too", action="store_true",
+                    help='then the same message with Custom JSON {"ridgefill": false}, for the prompt times side by side')
     args = ap.parse_args(argv)
 
     from ridgefill_cpp import RidgeFill
@@ -183,13 +206,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"web_ui: {srv.url}/ is not the UI ({kind})", file=sys.stderr)
             return 1
         with browser() as drv:
-            answer = send(drv, srv.url, text)
+            answers = {"ridgefill": asdict(send(drv, srv.url, text))}
             args.screenshot.parent.mkdir(parents=True, exist_ok=True)
             drv.save_screenshot(str(args.screenshot))
-    print(json.dumps(asdict(answer), indent=2))
+            if args.exact_too:
+                set_custom_json(drv, srv.url, {"ridgefill": False})
+                answers["exact"] = asdict(send(drv, srv.url, text))
+        if args.exact_too:  # the same two requests without a browser on the cores
+            answers["http"] = {name: http_chat(srv.url, text, on)["timings"] for name, on in
+                               (("ridgefill", True), ("exact", False))}
+    out = {"model": args.model.name, "maps": args.maps.name if args.maps else f"identity@{args.identity_split}",
+           "tokens": args.tokens, "n_predict": args.n_predict, "threads": args.threads, **answers}
+    print(json.dumps(out, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(dict(asdict(answer), model=args.model.name, maps=str(args.maps),
-                                             tokens=args.tokens), indent=2) + "\n")
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
