@@ -138,3 +138,42 @@ def test_the_source_key_ignores_build_outputs(env):
     assert build_ui.source_key(env["ui"]) == key
     (env["ui"] / "src" / "more.txt").write_text("y")
     assert build_ui.source_key(env["ui"]) != key
+
+
+def test_the_page_of_a_server_built_without_the_ui_says_how_to_get_it():
+    """The page llama-server answers at "/" without a UI (csrc/server/server-ridgefill.cpp, served by patch
+    0010's hook in server-http.cpp; built into every server, used only without the UI) says what is
+    missing and the command this script's message names, and the browser test recognises it."""
+    import ctypes
+    import http.server
+    import threading
+
+    import ridgefill_cpp  # noqa: F401  (loads the patched libraries the server library needs)
+    from web_ui import NO_UI_MARKER, page_kind
+
+    lib = ctypes.CDLL(str(Path(ridgefill_cpp.__file__).parent / "lib" / "libllama-server-impl.so"))
+    fn = lib._Z27server_ridgefill_no_ui_pagev  # const char * server_ridgefill_no_ui_page()
+    fn.restype = ctypes.c_char_p
+    page = fn().decode()
+    assert page.startswith("<!doctype html>") and NO_UI_MARKER in page
+    assert "node (20.19 or newer)" in page and "npm" in page and "make native" in page
+    assert build_ui.NODE_MIN == (20, 19) and "make native" in build_ui.HOW_TO_GET
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = page.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert page_kind(f"http://127.0.0.1:{srv.server_address[1]}") == "no-ui"
+    finally:
+        srv.shutdown()
