@@ -660,3 +660,33 @@ def test_tune_writes_the_report_then_the_map_file_and_fails_cleanly(tiny_models,
     assert json.loads((out / "tune.json").read_text())["written"] is None
     assert "Not written" in (out / "tune.md").read_text()
     assert maps[0].read_bytes() == before
+
+
+def test_cli_tune_fit_fits_the_candidate_splits_first_and_uses_them_again(tiny_models, cli, tmp_path):
+    """`tune MODEL --fit half`: one command from a model to a tuned map file (issue #47): the maps of
+    every split from ⌊L/2⌋ to the default split are fitted beside the model, tuned over, and the chosen
+    one gets the tuned defaults; a second run fits nothing; a file in the way is refused before any work."""
+    model = tmp_path / "tiny.gguf"
+    shutil.copyfile(tiny_models["llama"], model)  # 6 layers: half depth 3, default split 4
+    model_sha = _sha(model)
+    r = cli("tune", model, "--fit", "half", "--fit-tokens", 3000, "--budget", 10, *CLI_GRID)
+    assert r.exit_code == 0, r.output
+    paths = [tmp_path / f"tiny.S{s}.ridgefill.gguf" for s in (3, 4)]
+    assert [read_map_file(p).meta.split_layer for p in paths] == [3, 4]
+    assert read_map_file(paths[0]).meta.calib_n_tokens <= 3000
+    assert "fitting maps for S = 3, 4" in r.output and "chosen:" in r.output
+    assert sum(read_tuned_defaults(p) is not None for p in paths) == 1 and _sha(model) == model_sha
+
+    before = [p.read_bytes() for p in paths]
+    r = cli("tune", model, "--fit", "3,4", "--budget", 10, *CLI_GRID, "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "fitting maps" not in r.output and r.output.count("--fit: using") == 2
+    assert [p.read_bytes() for p in paths] == before
+
+    (tmp_path / "tiny.S5.ridgefill.gguf").write_bytes(b"not a map file")
+    r = cli("tune", model, "--fit", "5", "--budget", 10, *CLI_GRID)
+    assert r.exit_code == 1 and "cannot be used" in r.output and "move it away" in r.output
+    r = cli("tune", model, "--fit", "3,3", "--budget", 10, *CLI_GRID)
+    assert r.exit_code == 1 and "distinct" in r.output
+    r = cli("tune", model, "--budget", 10, *CLI_GRID)
+    assert r.exit_code == 1 and "--maps" in r.output and "--fit" in r.output

@@ -18,8 +18,10 @@ from .app import (SELECTOR_NAMES, app, check_output_dir, csv, err, fail,
 @app.command("tune")
 def tune_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
-    maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`, one per split to search; repeat for several splits. The chosen one gets the tuned defaults."),
+    maps: Optional[list[Path]] = typer.Option(None, "--maps", "-m", help="Map file of `fit`, one per split to search; repeat for several splits. The chosen one gets the tuned defaults."),
     budget: float = typer.Option(..., "--budget", "-b", help="Largest acceptable novel-token ΔNLL against exact prefill, in nats (e.g. 0.02)."),
+    fit_splits: Optional[str] = typer.Option(None, "--fit", help="Fit the map files first: splits, comma-separated, or \"half\" (every split from half depth ⌊L/2⌋ to the default split L − ⌊L/3⌋). One capture pass with `fit`'s defaults, each split's maps written beside the model as <model stem>.S{split}.ridgefill.gguf; a file there that holds this model's maps for that split is used as it is. Then tune over them (and any --maps)."),
+    fit_tokens: Optional[int] = typer.Option(None, "--fit-tokens", min=1, help=f"Calibration tokens of --fit (default {settings.FIT_TOKENS})."),
     tails: Optional[str] = typer.Option(None, "--tails", help=f"Tails T to search, comma-separated (default {csv(settings.TUNE_TAILS)}; each below --length / 4)."),
     fractions: Optional[str] = typer.Option(None, "--fractions", help=f"Exact fractions to search, comma-separated, each in [0, 1] (default {csv(settings.TUNE_FRACTIONS)})."),
     selector: Optional[str] = typer.Option(None, "--selector", help=f"Exact-row selector of every setting: {SELECTOR_NAMES} (protected: {' + '.join(settings.PROTECTED)}; default {settings.SELECTOR}); written into the map file with the chosen setting."),
@@ -59,8 +61,11 @@ def tune_cmd(
         fail(f"--budget must be a positive number of nats, not {budget:g}")
     if selector is not None and selector not in settings.SELECTORS:
         fail(f"--selector must be one of {settings.names(settings.SELECTORS)}, not {selector!r}")
+    if not maps and fit_splits is None:
+        fail("give the map files to tune (--maps, from `fit`) or the splits to fit first (--fit)")
     if out_dir is not None:
         check_output_dir(out_dir, "--out")
+    maps = list(maps or []) + ([] if fit_splits is None else _fit_first(model, fit_splits, fit_tokens, threads, maps or []))
     if not dry_run:  # the chosen map file gets the tuned defaults at the end: checked now, not after the work
         try:
             check_writable_maps(maps)
@@ -123,6 +128,45 @@ def tune_cmd(
         out.print(f"dry run: {best.maps} was not modified", highlight=False)
     if paths:
         out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[int], given: list[Path]) -> list[Path]:
+    """tune --fit: the map files of the splits in spec, beside the model; the missing ones fitted now
+    (``fit``, one capture pass), the ones there checked and used."""
+    from ..core.gguf_model import GGUFFileError, read_model_info
+    from ..maps.mapfile import MapFileError, fitting_map_metas
+    from .fit import fit
+
+    try:
+        info = read_model_info(model)
+    except GGUFFileError as e:
+        fail(str(e))
+    splits = (list(range(info.n_layer // 2, info.default_split + 1)) if spec.strip() == "half"
+              else number_list(spec, "--fit", int))
+    if len(set(splits)) != len(splits):
+        fail(f"--fit: splits must be distinct, not {spec!r}")
+    template = str(model.with_name(model.name.removesuffix(".gguf") + ".S{split}.ridgefill.gguf"))
+    paths = [Path(template.replace("{split}", str(s))) for s in splits]
+    todo = []
+    for s, path in zip(splits, paths):
+        if any(path.resolve() == g.resolve() for g in given):
+            fail(f"--fit: {path} is also given with --maps")
+        if not path.exists():
+            todo.append(s)
+            continue
+        try:
+            meta = fitting_map_metas([path], model)[0]
+        except MapFileError as e:
+            fail(f"--fit: {path} is there but cannot be used ({e}); move it away to fit S = {s} again")
+        if meta.split_layer != s:
+            fail(f"--fit: {path} holds maps for S = {meta.split_layer}, not {s}; move it away to fit S = {s}")
+        out.print(f"--fit: using {path} (this model's maps for S = {s}; delete it to fit again)", highlight=False)
+    if todo:
+        out.print(f"--fit: fitting maps for S = {', '.join(map(str, todo))} (one capture pass)", highlight=False)
+        fit(model=model, calibration=None, output=Path(template), split=",".join(map(str, todo)), tokens=tokens,
+            ctx=None, objective="normalized", dtype=None, rank=None, rank_share=None, rank_form="identity",
+            threads=threads, force=False, state_gains=None, state_gain_windows=16)
+    return paths
 
 
 def _write_tune_report(res, out_dir: Path) -> list[Path]:
