@@ -38,6 +38,7 @@ NODE_MIN = (20, 19)  # vite 7, the UI's bundler: node ^20.19 || >= 22.12
 SKIP_DIRS = {"dist", "node_modules", ".svelte-kit", "build"}
 KEEP_BUILDS = 3  # built UIs kept in the cache (about 10 MB each)
 HOW_TO_GET = "install node >= 20.19 and npm, then run `make native` again"
+TO_GET = "to get llama.cpp's chat page at `/`, "
 
 
 def ui_sources(ui: Path) -> list[Path]:
@@ -142,14 +143,14 @@ def prune(cache: Path, keep: str) -> None:
 
 
 def provide(tree: Path, cache_root: Path) -> tuple[Path | None, str]:
-    """The UI's dist placed in tree/tools/ui/dist, or None and why not."""
+    """The UI's dist placed in tree/tools/ui/dist, or None and why not (with what to do about it)."""
     ui = tree / "tools" / "ui"
     target = ui / "dist"
     if not (ui / "package.json").is_file():
         return None, f"{ui} has no package.json"
     if os.environ.get("RIDGEFILL_UI", "1") == "0":
         shutil.rmtree(target, ignore_errors=True)
-        return None, "RIDGEFILL_UI=0"
+        return None, "RIDGEFILL_UI=0; " + TO_GET + "unset RIDGEFILL_UI"
     cache = cache_root / "ui"
     cache.mkdir(parents=True, exist_ok=True)
     key = source_key(ui)
@@ -160,7 +161,7 @@ def provide(tree: Path, cache_root: Path) -> tuple[Path | None, str]:
             why = node_problem()
             if why:
                 shutil.rmtree(target, ignore_errors=True)  # never embed a UI built from other sources
-                return None, why
+                return None, f"{why}; {TO_GET}{HOW_TO_GET}"
             try:
                 dist = build(ui, cache, key)
             except (OSError, RuntimeError) as e:
@@ -180,12 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     dist, why = provide(args.tree.resolve(), (args.cache or default_cache_dir()).resolve())
     if dist is None:
         print(f"ui: none ({why})")
-        if why.startswith("building it failed"):
-            line = why
-        else:
-            how = "unset RIDGEFILL_UI" if why == "RIDGEFILL_UI=0" else HOW_TO_GET
-            line = f"{why}; to get llama.cpp's chat page at `/`, {how}"
-        print(f"ridgefill: llama-server gets no web UI: {line}", file=sys.stderr)
+        print(f"ridgefill: llama-server gets no web UI: {why}", file=sys.stderr)
         return 0
     print(f"ui: {dist}")
     return 0
