@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.request
 
 import pytest
 
 from ridgefill_cpp import RidgeFill
 from ridgefill_cpp.server.serve import Server
 from test_serve import no_proxy  # noqa: F401  (autouse: loopback requests never go through a proxy)
+from test_serve_ridgefill import _metrics
 from web_ui import browser, document_prompt, find_browser, page_kind, send, set_custom_json
 
 pytestmark = pytest.mark.slow
@@ -55,14 +55,6 @@ def _ui_url(srv: Server) -> str:
         _unavailable("this llama-server was built without llama.cpp's web UI (set-up found no node >= 20.19 and npm)")
     assert kind == "ui", f"{srv.url}/ answers {kind}, not a page"
     return srv.url
-
-
-def _metrics(srv: Server) -> dict[str, float]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(srv.url + "/metrics", timeout=60) as r:
-        text = r.read().decode()
-    return {k.split(":")[1]: float(v) for k, v in (line.split() for line in text.splitlines()
-                                                    if line.startswith("llamacpp:ridgefill_"))}
 
 
 def _number(s: str) -> int:

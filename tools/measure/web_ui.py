@@ -30,6 +30,7 @@ CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
                   "--disable-extensions", "--disable-default-apps", "--no-first-run", "--mute-audio")
 #: the text of llama-server's page when it was built without the UI (csrc/server/server-ridgefill.cpp)
 NO_UI_MARKER = "built without llama.cpp's web UI"
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
 def find_browser() -> tuple[str | None, str | None, str]:
@@ -51,9 +52,8 @@ def page_kind(url: str, timeout: float = 30) -> str:
     """What llama-server answers at "/": "ui" (llama.cpp's chat page), "no-ui" (the page saying how to
     get it) or "other: <status/type>"."""
     req = urllib.request.Request(url + "/", headers={"Accept-Encoding": "gzip"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(req, timeout=timeout) as r:
+        with _NO_PROXY.open(req, timeout=timeout) as r:
             body = r.read()
             if r.headers.get("Content-Encoding") == "gzip":
                 body = gzip.decompress(body)
@@ -153,7 +153,7 @@ def http_chat(url: str, text: str, ridgefill: bool, timeout: float = 600) -> dic
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     last: dict = {}
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout) as r:
+    with _NO_PROXY.open(req, timeout=timeout) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[len("data: "):])
