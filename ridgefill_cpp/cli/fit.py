@@ -65,7 +65,7 @@ def fit(
              "RidgeFill(state_correction=\"gain\"). Default: on when the model has recurrent layers above the split; "
              "ignored, with a note, otherwise."),
     state_gain_windows: int = typer.Option(
-        16, "--state-gain-windows", min=1, help="At most this many calibration windows (of --ctx rows, the longest of "
+        settings.FIT_STATE_GAIN_WINDOWS, "--state-gain-windows", min=1, help="At most this many calibration windows (of --ctx rows, the longest of "
                                                 "several) for the state gains."),
 ) -> None:
     """Fit one closed-form ridge map per late layer from llama.cpp's own hidden states on calibration
@@ -118,11 +118,9 @@ def fit(
                     f"the maps of {info.name or model.name} (n_embd {info.n_embd}" + (f", rank {rank})" if rank else ")"))
     except CompactError as e:
         fail(str(e))
-    stem = model.name.removesuffix(".gguf")
     if len(splits) > 1 and output is not None and "{split}" not in str(output):
         fail("with several splits, --output must contain {split} (e.g. maps.S{split}.gguf)")
-    template = str(output) if output is not None else str(
-        model.with_name(f"{stem}.S{{split}}.ridgefill.gguf" if len(splits) > 1 else f"{stem}.ridgefill.gguf"))
+    template = str(output) if output is not None else maps_path_template(model, several=len(splits) > 1)
     outputs = [Path(template.replace("{split}", str(s))) for s in splits]
     for path in outputs:
         if path.resolve() == model.resolve():
@@ -185,6 +183,13 @@ def fit(
         if m.split_layer in gain_splits:
             _fit_state_gains_into(model, path, documents(), tokens=tokens, ctx=ctx, max_windows=state_gain_windows,
                                   threads=threads)
+
+
+def maps_path_template(model: Path, several: bool = True) -> str:
+    """Where `fit` writes maps by default: beside the model, <stem>.ridgefill.gguf for one split and
+    <stem>.S{split}.ridgefill.gguf (a template) for several."""
+    stem = model.name.removesuffix(".gguf")
+    return str(model.with_name(f"{stem}.S{{split}}.ridgefill.gguf" if several else f"{stem}.ridgefill.gguf"))
 
 
 def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ctx: int, max_windows: int,

@@ -135,7 +135,7 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
     (``fit``, one capture pass), the ones there checked and used."""
     from ..core.gguf_model import GGUFFileError, read_model_info
     from ..maps.mapfile import MapFileError, fitting_map_metas
-    from .fit import fit
+    from .fit import fit, maps_path_template
 
     try:
         info = read_model_info(model)
@@ -145,7 +145,7 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
               else number_list(spec, "--fit", int))
     if len(set(splits)) != len(splits):
         fail(f"--fit: splits must be distinct, not {spec!r}")
-    template = str(model.with_name(model.name.removesuffix(".gguf") + ".S{split}.ridgefill.gguf"))
+    template = maps_path_template(model)
     paths = [Path(template.replace("{split}", str(s))) for s in splits]
     todo = []
     for s, path in zip(splits, paths):
@@ -165,7 +165,8 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
         out.print(f"--fit: fitting maps for S = {', '.join(map(str, todo))} (one capture pass)", highlight=False)
         fit(model=model, calibration=None, output=Path(template), split=",".join(map(str, todo)), tokens=tokens,
             ctx=None, objective="normalized", dtype=None, rank=None, rank_share=None, rank_form="identity",
-            threads=threads, force=False, state_gains=None, state_gain_windows=16)
+            threads=threads, force=False, state_gains=None,
+            state_gain_windows=settings.FIT_STATE_GAIN_WINDOWS)
     return paths
 
 

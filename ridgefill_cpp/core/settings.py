@@ -138,6 +138,8 @@ FIT_CTX = 512
 #: planted code on both real models at 0.53x the bytes (docs/compact-maps); F16 where n_embd is not a
 #: multiple of Q8_0's 32-element blocks
 FIT_DTYPE = "q8_0"
+#: fit --state-gains (hybrids): at most this many calibration windows for the terminal-state gains
+FIT_STATE_GAIN_WINDOWS = 16
 
 # ------------------------------------------------------------------------------------------------
 # names and their C values
