@@ -22,7 +22,8 @@ def eval_cmd(
     compare_maps: Optional[list[Path]] = typer.Option(None, "--compare-maps", help="Another map file for the first one's split (e.g. `fit --ctx 4096`, other text); repeat for more. Each is a ridge variant with a paired ΔNLL difference against the first file and a retrieval condition with the attention selector."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     lengths: Optional[str] = typer.Option(None, "--lengths", "-l", help="Prompt lengths in tokens, comma-separated "
-                                          f"(default {csv(settings.EVAL_LENGTHS)}; --quick: {csv(settings.EVAL_QUICK['lengths'])})."),
+                                          f"(default {csv(settings.EVAL_LENGTHS)}; --quick: {csv(settings.EVAL_QUICK['lengths'])}; "
+                                          f"--ruler: {csv(settings.RULER_LENGTHS)}, prompt plus answer)."),
     tail: Optional[int] = typer.Option(None, "--tail", min=1, help=tuned_help("T: the last prompt rows, exact; their next-token losses are scored", "tail", first=True)),
     exact_fraction: Optional[float] = typer.Option(None, "--exact-fraction", min=0.0, max=1.0, help=tuned_help("Share of the prefix rows the selector keeps exact", "exact_fraction", first=True)),
     selector: Optional[str] = typer.Option(None, "--selector", help=tuned_help(f"Exact-row selector of the fill variants: {SELECTOR_NAMES} (protected and attention+protected optionally :CLASS+CLASS of {', '.join(settings.TOKEN_CLASSES)})", "selector", first=True)),
@@ -38,7 +39,12 @@ def eval_cmd(
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     swa_full: bool = typer.Option(True, "--swa-full/--no-swa-full", help="Models with sliding-window layers (gemma3, gpt-oss): every variant on a full-size KV cache (libllama's default) or on a window-sized one (llama-server's default, with --no-swa-full)."),
-    out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json)."),
+    out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json; with --ruler: ruler.md, ruler.png, ruler.json)."),
+    ruler: bool = typer.Option(False, "--ruler", help="Run RULER's synthetic tasks instead (needles, variable tracking, common and frequent words): each prompt with exact prefill and with each --maps file, scored as RULER scores them, paired (docs/ruler)."),
+    ruler_tasks: Optional[str] = typer.Option(None, "--ruler-tasks", help="With --ruler: the tasks, comma-separated (default all: "
+                                               "niah_single_1,2,3, niah_multikey_1,2,3, niah_multivalue, niah_multiquery, vt, cwe, fwe)."),
+    samples: int = typer.Option(settings.RULER_SAMPLES, "--samples", min=1, help="With --ruler: prompts per task and length."),
+    ruler_identity: bool = typer.Option(False, "--ruler-identity", help="With --ruler: also identity fill at the first map file's split."),
 ) -> None:
     """Measure what filling costs in quality, against exact prefill of the same prompts: ΔNLL on all,
     novel and key tail tokens with bootstrap CIs over documents, perplexity ratios, the splice test
@@ -62,6 +68,18 @@ def eval_cmd(
               **given_options(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale,
                               depths=depths and tuple(number_list(depths, "--depths", float)),
                               names_per_depth=retrieval_prompts))
+    if ruler:
+        others = dict(compare_maps=compare_maps, docs=docs, selectors=selectors or None, queries=queries, depths=depths,
+                      retrieval_prompts=retrieval_prompts, codes=None if codes == 1 else codes, quick=quick or None,
+                      splice=None if splice else False)
+        given = [f"--{k.replace('_', '-')}" for k, v in others.items() if v is not None]
+        if given:
+            fail(f"{', '.join(given)}: only the standard evaluation takes {'these' if len(given) > 1 else 'this'}, not --ruler")
+        return eval_ruler(model, maps, ns, text, ruler_tasks, samples, ruler_identity, threads, swa_full, out_dir,
+                          dict(tail=tail, exact_fraction=exact_fraction, selector=selector, key_rescale=key_rescale or 0,
+                               value_rescale=settings.VALUE_RESCALE if value_rescale is None else value_rescale))
+    if ruler_tasks is not None or samples != settings.RULER_SAMPLES or ruler_identity:
+        fail("--ruler-tasks, --samples and --ruler-identity go with --ruler")
     options = EvalOptions.quick(**kw) if quick else EvalOptions(**kw)
     texts = read_text_option(text)
     t0 = time.perf_counter()
@@ -92,5 +110,62 @@ def eval_cmd(
         for cond, v in r.items():
             t.add_row(cond, f"{v['accuracy']['estimate']:.0%} [{v['accuracy']['low']:.0%}, {v['accuracy']['high']:.0%}]",
                       f"{v['kept'][0]}/{v['kept'][1]}")
+        out.print(t)
+    out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text: Optional[list[Path]],
+               tasks: Optional[str], samples: int, identity: bool, threads: Optional[int], swa_full: bool,
+               out_dir: Path, point: dict) -> None:
+    """``eval --ruler``: RULER's tasks with exact prefill, each map file at its split (and identity
+    fill at the first one's), one operating point; the report into ``out_dir``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..maps.mapfile import MapFileError, map_file_splits
+    from ..quality.ruler import RulerOptions, run_ruler
+    from ..quality.ruler_report import score_ci, write_ruler_report
+    from ..quality.evaluate import default_texts, text_sources
+    from ..runtime.prefill import RidgeFill
+
+    try:
+        splits = map_file_splits(maps, model)
+    except MapFileError as e:
+        fail(str(e))
+    fill = dict(point, min_prompt=0, **settings.parse_selector(point.pop("selector")))
+    conditions: dict[str, Optional[RidgeFill]] = {"exact": None}
+    try:
+        for path, split in zip(maps, splits):
+            conditions[f"ridge S={split}"] = RidgeFill(path, split=split, **fill)
+        if identity:
+            conditions[f"identity S={splits[0]}"] = RidgeFill(None, split=splits[0], **fill)
+        options = RulerOptions(**given_options(lengths=lengths), samples=samples, n_threads=threads, swa_full=swa_full,
+                               **({"tasks": tuple(x.strip() for x in tasks.split(",") if x.strip())} if tasks else {}))
+        options.check()
+    except ValueError as e:
+        fail(str(e))
+    given = read_text_option(text)
+    essay_texts = given or default_texts()
+    kind = "text" if given else "documentation"
+    essay = "\n\n".join(t for _, t in essay_texts[kind])
+    source = text_sources({kind: essay_texts[kind]})[0] + " (the essay haystack)"
+    with Progress(TextColumn("RULER: {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err) as bar:
+        task = bar.add_task("", total=None)
+        try:
+            res = run_ruler(model, conditions, options, essay, source,
+                            progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
+        except (ValueError, MapFileError) as e:
+            fail(str(e))
+    try:
+        paths = write_ruler_report(res, out_dir)
+    except OSError as e:
+        fail(f"--out {out_dir}: could not write the report: {e.strerror or e}")
+    for n, summ in res.summary.items():
+        t = Table(title=f"{model.name}, RULER at {n} tokens ({options.samples} samples per task; score ×100, 95 % CI)")
+        for col in ("condition", "score", "Δ vs exact", "same answer", "TTFT ratio"):
+            t.add_column(col, justify="right" if col != "condition" else "left")
+        for name, a in summ["average"].items():
+            t.add_row(name, f"{a['score']['estimate']:.1f}", score_ci(a["delta"], signed=True) if name != "exact" else "—",
+                      f"{a['same_answer']:.0%}", f"{res.ttft[n][name]:.2f}x")
         out.print(t)
     out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)

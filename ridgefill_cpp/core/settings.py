@@ -117,6 +117,9 @@ BENCH_GREEDY_TOKENS = 16
 #: eval: prompt lengths and documents per length
 EVAL_LENGTHS = (2048,)
 EVAL_DOCS = 12
+#: eval --ruler: lengths (prompt plus generation, tokens; RULER's shortest) and prompts per task and length
+RULER_LENGTHS = (4096,)
+RULER_SAMPLES = 20
 #: eval --quick: a smoke run (a few minutes on SmolLM2)
 EVAL_QUICK: Mapping[str, Any] = {"lengths": (1024,), "n_docs": 4, "depths": (0.2, 0.6), "names_per_depth": 1,
                                  "n_boot": 500}
@@ -363,7 +366,8 @@ def resolve_tunable(given: Mapping[str, Any], maps: str | os.PathLike | None) ->
 __all__ = ["TAIL", "EXACT_FRACTION", "SELECTOR", "VALUE_RESCALE", "KEY_RESCALE", "MIN_PROMPT", "N_QUERIES",
            "SPAN", "MAX_SPAN", "SPAN_SHARE", "RECENCY_SHARE", "FILL_CHUNK", "PROTECTED", "PLACEMENT", "TUNABLE",
            "TUNABLE_DEFAULTS", "C_FIELDS", "N_BATCH", "BENCH_LENGTHS", "BENCH_REPEATS", "BENCH_GREEDY_TOKENS",
-           "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "TUNE_TAILS", "TUNE_FRACTIONS", "TUNE_LENGTH", "TUNE_DOCS",
+           "EVAL_LENGTHS", "EVAL_DOCS", "EVAL_QUICK", "RULER_LENGTHS", "RULER_SAMPLES",
+           "TUNE_TAILS", "TUNE_FRACTIONS", "TUNE_LENGTH", "TUNE_DOCS",
            "TUNE_SPANS", "TUNE_KEY_RESCALES", "TUNE_RETRIEVAL_PROMPTS", "TUNE_RETRIEVAL_CODES", "FIT_TOKENS",
            "FIT_CTX", "FIT_DTYPE", "SELECTORS", "CLASS_SELECTORS", "SPAN_SELECTORS", "TOKEN_CLASSES", "PLACEMENTS",
            "STATE_CORRECTIONS", "SPLICES", "STATS", "builtin", "selector_name", "names", "parse_classes",

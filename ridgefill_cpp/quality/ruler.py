@@ -1,0 +1,305 @@
+"""``ridgefill-gguf eval --ruler``: RULER's synthetic tasks, exact prefill and RidgeFill on the same prompts.
+
+Each sample (:mod:`.ruler_tasks`) is sized to the requested length with the model's own tokenizer
+(the largest haystack whose prompt plus the task's generation fits, as RULER sizes it), wrapped in
+the model's chat template when it has one, and run once per condition in one context: exact
+prefill first, then each RidgeFill setting (map files, identity fill). Every condition decodes
+greedily up to the task's token budget or an end-of-generation token and is scored with RULER's
+``string_match_all``. The comparison is paired: per task, per length and over all tasks, the score
+of each condition, its difference from exact with a bootstrap CI over samples, how often its answer
+equals exact's word for word, and the TTFT ratio; for the needle and variable-tracking tasks, the
+same by the depth of the answer in the prompt. The library never prints; ``progress(done, total,
+what)`` reports runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..core import settings
+from ..core.gguf_model import read_model_info
+from ..runtime.prefill import Llama, RidgeFill
+from . import metrics, ruler_tasks
+from .bench import last_logits
+from .evaluate import open_context, plan_summary, text_sources, timed_prefill
+
+DEPTH_BINS = 5  # answer depth: the prompt in fifths
+DEVIATIONS = (
+    "essay haystack: the project's evaluation text (or --text), not Paul Graham's essays",
+    "sentences split by a rule (end punctuation, space, capital), not NLTK punkt",
+    "words keys: adjective-noun pairs drawn uniformly (RULER lists every pair; same distribution)",
+    "variable tracking's one-shot and cwe's few-shot examples generated per sample; cwe's as an earlier chat turn",
+    "variable tracking's one-shot example: at most a quarter of the prompt below 2,000 tokens (RULER: 500 tokens), at least 5 noise lines",
+    "QA tasks (SQuAD, HotpotQA) left out: they need downloads",
+)
+
+
+@dataclass
+class RulerOptions:
+    tasks: tuple[str, ...] = tuple(ruler_tasks.TASKS)
+    lengths: list[int] = field(default_factory=lambda: list(settings.RULER_LENGTHS))
+    samples: int = settings.RULER_SAMPLES   # per task and length
+    seed: int = 0
+    n_boot: int = 2000
+    n_threads: int | None = None
+    n_batch: int = settings.N_BATCH
+    swa_full: bool = True
+
+    def check(self) -> None:
+        unknown = [t for t in self.tasks if t not in ruler_tasks.TASKS]
+        if unknown or not self.tasks:
+            raise ValueError(f"RULER tasks {', '.join(unknown) or '(none)'}: choose from {', '.join(ruler_tasks.TASKS)}")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"a RULER task is listed twice: {', '.join(self.tasks)}")
+        if not (isinstance(self.samples, int) and self.samples >= 1):
+            raise ValueError(f"samples {self.samples!r}: an integer >= 1 per task and length")
+        longest = max(ruler_tasks.TASKS[t].max_new_tokens for t in self.tasks)
+        for n in self.lengths:
+            if n <= longest + 64:
+                raise ValueError(f"length {n}: RULER prompts need more than the task's generation ({longest} "
+                                 f"tokens) plus 64")
+
+
+def sample_seed(seed: int, task: str, length: int, index: int) -> int:
+    """The seed of one sample: stable across runs, machines and task selections."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{task}:{length}:{index}".encode()).digest()[:4], "little")
+
+
+# ------------------------------------------------------------------------------------------------
+# the model's side: tokens, chat template, greedy decoding
+
+
+class Prompter:
+    """Prompt text -> tokens with ``llm``'s tokenizer, and a sample's prompt text in its chat
+    template (``tokenizer.chat_template`` of the GGUF; RULER's base template without one)."""
+
+    def __init__(self, llm: Llama):
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        self.llm = llm
+        template = llm.metadata.get("tokenizer.chat_template")
+        self.chat: ruler_tasks.ChatTemplate | None = None
+        if template:
+            text = llm._model.token_get_text
+            fmt = Jinja2ChatFormatter(template, eos_token=text(llm.token_eos()) if llm.token_eos() != -1 else "",
+                                      bos_token=text(llm.token_bos()) if llm.token_bos() != -1 else "")
+            self.chat = lambda messages: fmt(messages=messages).prompt
+
+    @property
+    def template(self) -> str:
+        return "chat" if self.chat else "base"
+
+    def tokens(self, text: str) -> list[int]:
+        # a chat template writes its own BOS text (llama-cpp-python's chat handlers tokenize it so)
+        return self.llm.tokenize(text.encode(), add_bos=self.chat is None, special=True)
+
+    def prompt(self, sample: ruler_tasks.Sample) -> str:
+        return ruler_tasks.render(sample, self.chat)
+
+
+def greedy_answer(llm: Llama, first_logits: np.ndarray, max_new: int) -> str:
+    """Greedy decoding after the prompt just evaluated: up to ``max_new`` tokens, stopping at an
+    end-of-generation token (end of turn included; not part of the text)."""
+    import llama_cpp
+
+    out, logits = [], first_logits
+    vocab = llm._model.vocab
+    while len(out) < max_new:
+        tok = int(np.argmax(logits))
+        if llama_cpp.llama_vocab_is_eog(vocab, tok):
+            break
+        out.append(tok)
+        if len(out) < max_new:
+            llm.eval([tok])
+            logits = last_logits(llm)
+    return llm.detokenize(out).decode(errors="replace")
+
+
+def sized_sample(prompter: Prompter, task: str, seed: int, length: int, essay: Sequence[str],
+                 start: int) -> tuple[ruler_tasks.Sample, list[int]]:
+    """Sample ``seed`` of ``task`` with the largest haystack whose prompt plus the task's generation
+    fits ``length`` tokens, and its prompt tokens."""
+    spec = ruler_tasks.TASKS[task]
+    budget = length - spec.max_new_tokens
+    icl = None
+    if spec.kind == "variable_tracking":  # the one-shot example: 500 tokens, or a quarter of a short prompt
+        smallest = ruler_tasks.min_size(spec)
+        try:
+            icl = ruler_tasks.fit_size(lambda s: len(prompter.tokens(ruler_tasks.vt_example(spec, seed, s))),
+                                       min(ruler_tasks.ICL_TOKENS, budget // 4), 5, smallest)
+        except ValueError:
+            icl = smallest  # the smallest example; whether the prompt still fits is decided below
+
+    def make(size: int) -> ruler_tasks.Sample:
+        return ruler_tasks.generate(spec, seed, size, essay=essay, length=length, icl_size=icl)
+
+    try:
+        size = ruler_tasks.fit_size(lambda s: len(prompter.tokens(prompter.prompt(make(s)))), budget, start,
+                                     ruler_tasks.min_size(spec))
+    except ValueError as e:
+        raise ValueError(f"{task} at {length} tokens: {e}") from None
+    sample = make(size)
+    return sample, prompter.tokens(prompter.prompt(sample))
+
+
+def answer_depth(prompter: Prompter, text: str, n_tokens: int, sample: ruler_tasks.Sample) -> float | None:
+    """Where the first answer sits in the prompt, as a share of its tokens (needle and variable
+    tracking tasks; None for the word-frequency tasks, whose answers are everywhere)."""
+    if ruler_tasks.TASKS[sample.task].kind not in ("niah", "variable_tracking"):
+        return None
+    at = text.find(sample.answers[0])
+    return None if at < 0 else len(prompter.tokens(text[:at])) / n_tokens
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class RulerResult:
+    model: str
+    conditions: dict            # name -> {"kind", "maps", "split", "settings"}
+    options: dict
+    template: str               # "chat" or "base"
+    sources: list[str]
+    deviations: list[str]
+    samples: list = field(default_factory=list)   # one record per prompt (see run_ruler)
+    summary: dict = field(default_factory=dict)   # length -> task | "average" -> condition -> statistics
+    by_depth: dict = field(default_factory=dict)  # length -> depth bin -> condition -> statistics
+    ttft: dict = field(default_factory=dict)      # length -> condition -> exact median / condition median
+    worst: dict = field(default_factory=dict)     # length -> condition -> the (task, depth) cell it loses most in
+    elapsed_s: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], options: RulerOptions,
+              essay_text: str, essay_source: str | None = None,
+              progress: Callable[[int, int, str], None] | None = None) -> RulerResult:
+    """Run every task of ``options`` at every length on ``options.samples`` prompts, each with every
+    condition (name -> RidgeFill; None: exact prefill, which must come first)."""
+    options.check()
+    names = list(conditions)
+    if not names or conditions[names[0]] is not None:
+        raise ValueError("the first condition must be exact prefill (None)")
+    essay = ruler_tasks.haystack_words(essay_text) if essay_text.strip() else []
+    if not essay and any(ruler_tasks.uses_essay(t) for t in options.tasks):
+        raise ValueError("the essay haystack has no text: give --text with some words in it")
+    info = read_model_info(model)
+    if max(options.lengths) > info.context_length:
+        raise ValueError(f"a {max(options.lengths)}-token RULER prompt (with its answer) is longer than the model's "
+                         f"context ({info.context_length})")
+    t0 = time.perf_counter()
+    first_rf = next((rf for rf in conditions.values() if rf is not None), None)
+    llm = open_context(model, max(options.lengths), options.n_batch, options.n_threads, first_rf, options.swa_full)
+    prompter = Prompter(llm)
+    total = len(options.lengths) * len(options.tasks) * options.samples * len(names)
+    done = 0
+    records = []
+    try:
+        for length in options.lengths:
+            for task in options.tasks:
+                start = 64
+                for i in range(options.samples):
+                    seed = sample_seed(options.seed, task, length, i)
+                    sample, tokens = sized_sample(prompter, task, seed, length, essay, start)
+                    start = sample.size
+                    text = prompter.prompt(sample)
+                    rec = {"task": task, "length": length, "index": i, "seed": seed, "size": sample.size,
+                           "n_prompt": len(tokens), "depth": answer_depth(prompter, text, len(tokens), sample),
+                           "answers": sample.answers, "outputs": {}}
+                    for name in names:
+                        logits, secs = timed_prefill(llm, conditions[name], tokens, 1)
+                        plan = plan_summary(llm, conditions[name].split if conditions[name] else 0)
+                        pred = greedy_answer(llm, logits[-1], ruler_tasks.TASKS[task].max_new_tokens)
+                        rec["outputs"][name] = {"text": pred, "score": ruler_tasks.string_match_all(pred, sample.answers),
+                                                "prefill_s": secs, "plan": plan}
+                        done += 1
+                        if progress:
+                            progress(done, total, f"{task} at {length} ({name})")
+                    records.append(rec)
+    finally:
+        llm.close()
+    res = RulerResult(
+        model=str(model), options={**asdict(options), "tasks": list(options.tasks)}, template=prompter.template,
+        conditions={n: _condition_record(rf) for n, rf in conditions.items()},
+        sources=[essay_source or text_sources({"documentation": [("", "")]})[0],
+                 "wonderwords word lists (MIT): needle keys, cwe's words"],
+        deviations=list(DEVIATIONS), samples=records)
+    summarise(res, options.n_boot, options.seed)
+    res.elapsed_s = time.perf_counter() - t0
+    return res
+
+
+def _condition_record(rf: RidgeFill | None) -> dict:
+    if rf is None:
+        return {"kind": "exact", "maps": None, "split": None, "settings": None}
+    return {"kind": "ridge" if rf.maps is not None else "identity", "maps": None if rf.maps is None else str(rf.maps),
+            "split": rf.split, "settings": json.loads(json.dumps(
+                {f.name: getattr(rf, f.name) for f in dataclasses.fields(rf) if f.init and f.name != "maps"}, default=str))}
+
+
+# ------------------------------------------------------------------------------------------------
+# the paired summary
+
+
+def _stats(scores: np.ndarray, exact: np.ndarray, same: np.ndarray, n_boot: int, seed: int) -> dict:
+    ci = lambda v: metrics.bootstrap_ci(v, n_boot=n_boot, seed=seed)._asdict()  # noqa: E731
+    return {"score": ci(100 * scores), "delta": ci(100 * (scores - exact)), "same_answer": float(same.mean()),
+            "n": int(scores.size)}
+
+
+def _paired(recs: list[dict], names: list[str], n_boot: int, seed: int) -> dict:
+    exact = np.array([r["outputs"][names[0]]["score"] for r in recs])
+    exact_text = [ruler_tasks.postprocess(r["outputs"][names[0]]["text"]) for r in recs]
+    out = {}
+    for name in names:
+        scores = np.array([r["outputs"][name]["score"] for r in recs])
+        same = np.array([ruler_tasks.postprocess(r["outputs"][name]["text"]) == e for r, e in zip(recs, exact_text)])
+        out[name] = _stats(scores, exact, same, n_boot, seed)
+    return out
+
+
+def depth_bin(depth: float) -> str:
+    k = min(int(depth * DEPTH_BINS), DEPTH_BINS - 1)
+    return f"{k / DEPTH_BINS:.1f}-{(k + 1) / DEPTH_BINS:.1f}"
+
+
+def summarise(res: RulerResult, n_boot: int = 2000, seed: int = 0) -> None:
+    """Fill ``res.summary``, ``by_depth``, ``ttft`` and ``worst`` from ``res.samples``."""
+    names = list(res.conditions)
+    for length in sorted({r["length"] for r in res.samples}):
+        recs = [r for r in res.samples if r["length"] == length]
+        tasks = list(dict.fromkeys(r["task"] for r in recs))
+        key = str(length)
+        res.summary[key] = {t: _paired([r for r in recs if r["task"] == t], names, n_boot, seed) for t in tasks}
+        res.summary[key]["average"] = _paired(recs, names, n_boot, seed)
+        placed = [r for r in recs if r["depth"] is not None]
+        bins = sorted({depth_bin(r["depth"]) for r in placed})
+        res.by_depth[key] = {b: _paired([r for r in placed if depth_bin(r["depth"]) == b], names, n_boot, seed)
+                             for b in bins}
+        exact_t = statistics.median(r["outputs"][names[0]]["prefill_s"] for r in recs)
+        res.ttft[key] = {n: exact_t / statistics.median(r["outputs"][n]["prefill_s"] for r in recs) for n in names}
+        res.worst[key] = {}
+        for n in names[1:]:
+            cells = []
+            for t in tasks:
+                for b in sorted({depth_bin(r["depth"]) for r in placed if r["task"] == t}):
+                    sel = [r for r in placed if r["task"] == t and depth_bin(r["depth"]) == b]
+                    d = float(np.mean([r["outputs"][n]["score"] - r["outputs"][names[0]]["score"] for r in sel]))
+                    cells.append((d, t, b, len(sel)))
+            if cells:
+                d, t, b, k = min(cells)
+                res.worst[key][n] = {"task": t, "depth": b, "delta": 100 * d, "n": k}
