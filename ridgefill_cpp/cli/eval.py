@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import typer
 from rich.table import Table
@@ -13,6 +13,8 @@ from ..core import settings
 from ..core.limits import MAX_THREADS
 from .app import (SELECTOR_NAMES, app, check_output_dir, check_prefill_args, csv, err, fail,
                   given_options, number_list, out, read_text_option, resolve_operating_point, tuned_help)
+
+T = TypeVar("T")
 
 
 @app.command("eval")
@@ -51,10 +53,7 @@ def eval_cmd(
     (share of the error in K vs V), planted-fact retrieval from the filled region (exact / identity /
     ridge, with and without the selector), and the speed of the same runs. Writes a Markdown report,
     plots and a JSON file."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
     from ..quality.evaluate import EvalOptions, evaluate
-    from ..maps.mapfile import MapFileError
     from ..quality.report import ci_text, write_report
 
     tail, exact_fraction, selector, key_rescale = resolve_operating_point(maps[0] if maps else None, tail, exact_fraction,
@@ -83,18 +82,9 @@ def eval_cmd(
     options = EvalOptions.quick(**kw) if quick else EvalOptions(**kw)
     texts = read_text_option(text)
     t0 = time.perf_counter()
-    with Progress(TextColumn("evaluating: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                  console=err) as bar:
-        task = bar.add_task("", total=None)
-        try:
-            res = evaluate(model, maps, options, texts=texts, compare_maps=compare_maps or (),
-                           progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
-        except (ValueError, MapFileError) as e:
-            fail(str(e))
-    try:
-        paths = write_report(res, out_dir, time.perf_counter() - t0)
-    except OSError as e:
-        fail(f"--out {out_dir}: could not write the report: {e.strerror or e}")
+    res = _measured("evaluating", lambda progress: evaluate(model, maps, options, texts=texts,
+                                                            compare_maps=compare_maps or (), progress=progress))
+    paths = _written(lambda: write_report(res, out_dir, time.perf_counter() - t0), out_dir)
     for n, s in res.summary.items():
         t = Table(title=f"{Path(res.model).name}, {n}-token prompts: ΔNLL vs exact (nats, 95 % CI, {len(res.docs[n]['exact'])} documents)")
         for col in ("variant", "novel", "key", "all", "speed"):
@@ -119,8 +109,6 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
                out_dir: Path, point: dict) -> None:
     """``eval --ruler``: RULER's tasks with exact prefill, each map file at its split (and identity
     fill at the first one's), one operating point; the report into ``out_dir``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..maps.mapfile import MapFileError, map_file_splits
     from ..quality.ruler import RulerOptions, run_ruler
     from ..quality.ruler_report import score_ci, write_ruler_report
@@ -148,18 +136,8 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
     kind = "text" if given else "documentation"
     essay = "\n\n".join(t for _, t in essay_texts[kind])
     source = text_sources({kind: essay_texts[kind]})[0] + " (the essay haystack)"
-    with Progress(TextColumn("RULER: {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err) as bar:
-        task = bar.add_task("", total=None)
-        try:
-            res = run_ruler(model, conditions, options, essay, source,
-                            progress=lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
-        except (ValueError, MapFileError) as e:
-            fail(str(e))
-    try:
-        paths = write_ruler_report(res, out_dir)
-    except OSError as e:
-        fail(f"--out {out_dir}: could not write the report: {e.strerror or e}")
+    res = _measured("RULER", lambda progress: run_ruler(model, conditions, options, essay, source, progress=progress))
+    paths = _written(lambda: write_ruler_report(res, out_dir), out_dir)
     for n, summ in res.summary.items():
         t = Table(title=f"{model.name}, RULER at {n} tokens ({options.samples} samples per task; score ×100, 95 % CI)")
         for col in ("condition", "score", "Δ vs exact", "same answer", "TTFT ratio"):
@@ -169,3 +147,26 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
                       f"{a['same_answer']:.0%}", f"{res.ttft[n][name]:.2f}x")
         out.print(t)
     out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+def _measured(label: str, run: Callable[[Callable[[int, int, str], None]], T]) -> T:
+    """``run(progress)`` under a progress bar on stderr; a ValueError or MapFileError ends the command
+    with its message."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..maps.mapfile import MapFileError
+
+    with Progress(TextColumn(f"{label}: {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err) as bar:
+        task = bar.add_task("", total=None)
+        try:
+            return run(lambda d, t, what: bar.update(task, completed=d, total=t, description=what))
+        except (ValueError, MapFileError) as e:
+            fail(str(e))
+
+
+def _written(write: Callable[[], list[Path]], out_dir: Path) -> list[Path]:
+    try:
+        return write()
+    except OSError as e:
+        fail(f"--out {out_dir}: could not write the report: {e.strerror or e}")
