@@ -82,16 +82,15 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
             L.append("")
         for n, w in (res.worst.get(length) or {}).items():
             L.append(f"- {n}: largest loss against exact in {w['task']} at depth {w['depth']}: {w['delta']:+.1f} "
-                     f"points ({w['n']} samples)" if w["delta"] < 0 else
+                     f"points ({w['n']} sample{'s' if w['n'] != 1 else ''})" if w["delta"] < 0 else
                      f"- {n}: no (task, depth) cell where it scores below exact")
         L.append("")
     if plot:
         L.append(f"![per-task scores and paired differences]({plot})\n")
     L.append("Texts: " + "; ".join(res.sources) + ".\n")
     L.append("Departures from RULER's reference implementation: " + "; ".join(res.deviations) + ".\n")
-    L.append("Every prompt's seed, answer and the outputs of each condition are in ruler.json.")
-    if res.elapsed_s is not None:
-        L.append(f" Wall time {res.elapsed_s / 60:.1f} min.")
+    L.append("Every prompt's seed, answer and the outputs of each condition are in ruler.json."
+             + (f" Wall time {res.elapsed_s / 60:.1f} min." if res.elapsed_s is not None else ""))
     return "\n".join(L) + "\n"
 
 
