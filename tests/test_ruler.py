@@ -191,6 +191,30 @@ def test_samples_are_reproducible_from_their_seed():
     assert random.Random(1).random() == random.Random(1).random()
 
 
+def _record(task: str, depth: float | None, exact: float, other: float, index: int) -> dict:
+    out = lambda s: {"text": "", "score": s, "prefill_s": 1.0, "plan": {"ceiling": 1.0}}  # noqa: E731
+    return {"task": task, "length": 4096, "index": index, "seed": index, "size": 1, "n_prompt": 4000,
+            "depth": depth, "answers": ["x"], "outputs": {"exact": out(exact), "ridge": out(other)}}
+
+
+def test_summary_pairs_scores_and_finds_the_cell_it_loses_most_in():
+    recs = [_record("niah_single_1", 0.1, 1.0, 1.0, 0), _record("niah_single_1", 0.9, 1.0, 0.5, 1),
+            _record("cwe", None, 0.6, 0.0, 2), _record("cwe", None, 0.4, 0.4, 3)]
+    res = ruler.RulerResult(model="m.gguf", conditions={"exact": {}, "ridge": {}}, options={}, template="base",
+                            sources=[], deviations=[], samples=recs)
+    ruler.summarise(res, n_boot=200)
+    avg = res.summary["4096"]["average"]["ridge"]
+    assert avg["delta"]["estimate"] == pytest.approx(100 * (0 - 0.5 - 0.6 + 0) / 4)
+    assert avg["same_answer"] == 1.0    # the texts are all equal; only the scores differ
+    assert res.summary["4096"]["niah_single_1"]["ridge"]["delta"]["estimate"] == pytest.approx(-25.0)
+    # cwe has no depth: its cell is all its prompts, and its mean loss (-30) is below the needle cell's (-50 on one)
+    assert res.worst["4096"]["ridge"] == {"task": "niah_single_1", "depth": "0.8-1.0", "delta": -50.0, "n": 1}
+    recs[1]["outputs"]["ridge"]["score"] = 1.0
+    ruler.summarise(res, n_boot=200)
+    assert res.worst["4096"]["ridge"] == {"task": "cwe", "depth": "all", "delta": pytest.approx(-30.0), "n": 2}
+    assert list(res.by_depth["4096"]) == ["0.0-0.2", "0.8-1.0"]
+
+
 # ------------------------------------------------------------------------------------------------
 # end to end on a tiny model
 

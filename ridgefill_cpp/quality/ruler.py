@@ -292,14 +292,14 @@ def summarise(res: RulerResult, n_boot: int = 2000, seed: int = 0) -> None:
                              for b in bins}
         exact_t = statistics.median(r["outputs"][names[0]]["prefill_s"] for r in recs)
         res.ttft[key] = {n: exact_t / statistics.median(r["outputs"][n]["prefill_s"] for r in recs) for n in names}
+        # cells: (task, depth bin) for the needle and vt tasks, (task, "all") for cwe and fwe, which have
+        # no depth; the largest mean loss wins, the cell with more samples on a tie
+        groups: dict = {}
+        for r in recs:
+            groups.setdefault((r["task"], depth_bin(r["depth"]) if r["depth"] is not None else "all"), []).append(r)
         res.worst[key] = {}
         for n in names[1:]:
-            cells = []
-            for t in tasks:
-                for b in sorted({depth_bin(r["depth"]) for r in placed if r["task"] == t}):
-                    sel = [r for r in placed if r["task"] == t and depth_bin(r["depth"]) == b]
-                    d = float(np.mean([r["outputs"][n]["score"] - r["outputs"][names[0]]["score"] for r in sel]))
-                    cells.append((d, t, b, len(sel)))
-            if cells:
-                d, t, b, k = min(cells)
-                res.worst[key][n] = {"task": t, "depth": b, "delta": 100 * d, "n": k}
+            cells = [(float(np.mean([r["outputs"][n]["score"] - r["outputs"][names[0]]["score"] for r in sel])),
+                     -len(sel), t, b) for (t, b), sel in groups.items()]
+            d, k, t, b = min(cells)
+            res.worst[key][n] = {"task": t, "depth": b, "delta": 100 * d, "n": -k}

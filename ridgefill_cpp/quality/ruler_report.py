@@ -81,7 +81,8 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
                          + " | " + " | ".join(score_ci(d[n]["delta"], True) for n in names[1:]) + " |")
             L.append("")
         for n, w in (res.worst.get(length) or {}).items():
-            L.append(f"- {n}: largest loss against exact in {w['task']} at depth {w['depth']}: {w['delta']:+.1f} "
+            where = f"at depth {w['depth']}" if w["depth"] != "all" else "(no depth: all its prompts)"
+            L.append(f"- {n}: largest loss against exact in {w['task']} {where}: {w['delta']:+.1f} "
                      f"points ({w['n']} sample{'s' if w['n'] != 1 else ''})" if w["delta"] < 0 else
                      f"- {n}: no (task, depth) cell where it scores below exact")
         L.append("")

@@ -1,6 +1,7 @@
 """The overview of docs/ruler: one row per (model, length, condition) from the ``ruler.json`` files that
-``ridgefill-gguf eval --ruler`` wrote, and each report's ruler.md and ruler.png written again from its
-JSON with the current report writer (so a fix to the writer reaches committed reports without rerunning).
+``ridgefill-gguf eval --ruler`` wrote; with --rewrite, each report's statistics (seeded, so the same CIs),
+ruler.md and ruler.png made again from its samples with the current code (so a fix to the summary or
+the writer reaches committed reports without rerunning the models).
 
     python tools/measure/ruler_summary.py docs/ruler/gemma3-4k docs/ruler/smollm2-4k ... [--rewrite]
 
@@ -18,7 +19,7 @@ import pathlib
 
 import numpy as np
 
-from ridgefill_cpp.quality.ruler import RulerResult
+from ridgefill_cpp.quality.ruler import RulerResult, summarise
 from ridgefill_cpp.quality.ruler_report import score_ci, write_ruler_report
 
 
@@ -61,6 +62,7 @@ def main() -> None:
     for d in args.reports:
         res = load(d)
         if args.rewrite:
+            summarise(res, res.options["n_boot"], res.options["seed"])   # seeded: the same CIs, current rules
             write_ruler_report(res, d)
         print("\n".join(rows(res)))
 
