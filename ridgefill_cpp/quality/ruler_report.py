@@ -19,6 +19,11 @@ def score_ci(d: dict, signed: bool = False) -> str:
     return f"{f.format(d['estimate'])} [{f.format(d['low'])}, {f.format(d['high'])}]"
 
 
+def mean_plan(recs: list[dict], name: str, key: str) -> float:
+    """The mean over ``recs`` of one field of condition ``name``'s prefill plan (0 where it has none)."""
+    return sum(r["outputs"][name]["plan"].get(key, 0) for r in recs) / len(recs)
+
+
 def write_ruler_report(res: RulerResult, out_dir: os.PathLike | str) -> list[Path]:
     """Write ruler.md, ruler.json and ruler.png into ``out_dir``; return the paths."""
     out = Path(out_dir)
@@ -64,9 +69,7 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
         L.append("|---|---:|---:|---:|---:|---:|---:|")
         for n in names:
             a = summ["average"][n]
-            plans = [r["outputs"][n]["plan"] for r in recs]
-            filled = sum(p.get("n_filled", 0) for p in plans) / len(plans)
-            ceil = sum(p["ceiling"] for p in plans) / len(plans)
+            filled, ceil = mean_plan(recs, n, "n_filled"), mean_plan(recs, n, "ceiling")
             L.append(f"| {n} | {score_ci(a['score'])} | {score_ci(a['delta'], True) if n != names[0] else '—'} | "
                      f"{a['same_answer']:.0%} | {res.ttft[length][n]:.2f}x | {filled:.0f} | {ceil:.2f}x |")
         L.append("")

@@ -6,7 +6,7 @@ the writer reaches committed reports without rerunning the models).
     python tools/measure/ruler_summary.py docs/ruler/gemma3-4k docs/ruler/smollm2-4k ... [--rewrite]
 
 The table's columns: the score over all tasks, the paired difference from exact with its 95 % bootstrap
-CI, the CI's half-width (the difference the run resolves: a true loss of that many points would put the
+CI, the CI's half-width (the difference the run resolves: a true loss of more than that would put the
 CI below zero), the share of answers word for word equal to exact's, the task where the condition
 loses most on average, the median TTFT ratio and the mean ceiling 1/r of the prompts.
 """
@@ -17,10 +17,8 @@ import argparse
 import json
 import pathlib
 
-import numpy as np
-
 from ridgefill_cpp.quality.ruler import RulerResult, summarise
-from ridgefill_cpp.quality.ruler_report import score_ci, write_ruler_report
+from ridgefill_cpp.quality.ruler_report import mean_plan, score_ci, write_ruler_report
 
 
 def load(d: pathlib.Path) -> RulerResult:
@@ -36,18 +34,16 @@ def rows(res: RulerResult) -> list[str]:
         tasks = [t for t in summ if t != "average"]
         for n in names:
             a = summ["average"][n]
-            ceil = float(np.mean([r["outputs"][n]["plan"]["ceiling"] for r in recs]))
             if n == names[0]:
-                out.append(f"| {model} | {length} | {n} | {res.options['samples']} × {len(tasks)} | "
-                           f"{score_ci(a['score'])} | — | — | — | — | 1.00x | 1.00x |")
-                continue
-            d = a["delta"]
-            half = (d["high"] - d["low"]) / 2
-            worst = min(tasks, key=lambda t: summ[t][n]["delta"]["estimate"])
-            w = summ[worst][n]["delta"]["estimate"]
+                paired = "— | — | — | —"
+            else:
+                d = a["delta"]
+                worst = min(tasks, key=lambda t: summ[t][n]["delta"]["estimate"])
+                w = summ[worst][n]["delta"]["estimate"]
+                paired = (f"{score_ci(d, True)} | ±{(d['high'] - d['low']) / 2:.1f} | {a['same_answer']:.0%} | "
+                          f"{f'{worst} ({w:+.1f})' if w < 0 else 'none'}")
             out.append(f"| {model} | {length} | {n} | {res.options['samples']} × {len(tasks)} | {score_ci(a['score'])} | "
-                       f"{score_ci(d, True)} | ±{half:.1f} | {a['same_answer']:.0%} | "
-                       f"{f'{worst} ({w:+.1f})' if w < 0 else 'none'} | {res.ttft[length][n]:.2f}x | {ceil:.2f}x |")
+                       f"{paired} | {res.ttft[length][n]:.2f}x | {mean_plan(recs, n, 'ceiling'):.2f}x |")
     return out
 
 
