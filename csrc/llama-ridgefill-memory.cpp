@@ -94,14 +94,33 @@ llama_memory_context_ptr llama_ridgefill_caches::reuse_context(llama_seq_id seq_
 llama_memory_context_ptr llama_ridgefill_caches::scratch_context(llama_kv_cache * scratch, llama_seq_id seq_id,
         const llama_ubatch & ub, const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_scratch) const {
     GGML_ASSERT(iswa && scratch);
-    if (ub.n_tokens == 0) {
-        return std::make_unique<llama_kv_cache_iswa_context>(base->init_full(), scratch->init_full(), std::vector<llama_ubatch>());
-    }
     std::vector<llama_ubatch> ubs = { ub };
     return std::make_unique<llama_kv_cache_iswa_context>(
             std::make_unique<llama_kv_cache_context>(base,    llama_kv_cache::slot_info_vec_t { rf_reuse_slot(base,    seq_id, cells) }, ubs),
             std::make_unique<llama_kv_cache_context>(scratch, llama_kv_cache::slot_info_vec_t { rf_reuse_slot(scratch, seq_id, cells_scratch) }, ubs),
             ubs);
+}
+
+llama_memory_context_ptr llama_ridgefill_caches::reserve_context(llama_kv_cache * scratch) const {
+    // a context over cell 0 of sequence 0's stream, applied with n_kv_min the whole stream: reused
+    // cells are left as they are, and n_kv becomes the size of the cache (of each cache)
+    const llama_ubatch ub = llama_ridgefill_make_ubatch(0, { 0 }, false, 1);
+    const std::vector<uint32_t> cell0 = { 0 };
+    llama_memory_context_ptr res = scratch ? scratch_context(scratch, 0, ub, cell0, cell0) :
+                                             reuse_context(0, ub, cell0, cell0, recr ? 0 : -1, true);
+    std::vector<std::pair<llama_kv_cache *, uint32_t>> n_kv_min;
+    for (llama_kv_cache * kv : { base, scratch ? scratch : swa }) {
+        if (kv) {
+            n_kv_min.emplace_back(kv, kv->n_kv_min);
+            kv->n_kv_min = kv->get_size();
+        }
+    }
+    const bool ok = res->apply();
+    for (const auto & [kv, n] : n_kv_min) {
+        kv->n_kv_min = n;
+    }
+    GGML_ASSERT(ok);
+    return res;
 }
 
 void llama_ridgefill_scratch_enter(llama_kv_cache * scratch, llama_seq_id seq_id, bool first, llama_pos lo,

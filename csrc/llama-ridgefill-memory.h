@@ -43,9 +43,16 @@ struct llama_ridgefill_caches {
 
     // the same over the scratch cache of the late sliding-window layers: the full-attention cache's cells
     // `cells` and the scratch's cells `cells_scratch` (an iSWA context whose sliding-window part is the
-    // scratch); a full context of both (n_kv the whole caches) when ub has no rows (reserve)
+    // scratch)
     llama_memory_context_ptr scratch_context(llama_kv_cache * scratch, llama_seq_id seq_id, const llama_ubatch & ub,
             const std::vector<uint32_t> & cells, const std::vector<uint32_t> & cells_scratch) const;
+
+    // a memory context to reserve the compute buffers of a plan's graphs: one stream (sequence 0's)
+    // with n_kv the whole stream, for the caches themselves or, with a scratch, the full-attention cache
+    // and the scratch. A plan's graphs run over the stream of their own sequence: init_full() spans
+    // every stream, over which a ubatch of one sequence cannot be spread (llama.cpp cuts a ubatch into
+    // n_stream equal parts, so n_tokens not a multiple of n_stream would not even build)
+    llama_memory_context_ptr reserve_context(llama_kv_cache * scratch) const;
 };
 
 // the rows of seq_id in the scratch cache of the late sliding-window layers, as a window graph needs

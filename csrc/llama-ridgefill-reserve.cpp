@@ -35,7 +35,7 @@ struct llama_ridgefill_reserver {
     explicit llama_ridgefill_reserver(llama_ridgefill_context & rf) :
             rf(rf), hparams(rf.model.hparams), cparams(rf.lctx.get_cparams()), caches(rf.lctx.get_memory()),
             sched(rf.lctx.get_sched()) {
-        mctx     = rf.lctx.get_memory()->init_full();
+        mctx     = caches.reserve_context(nullptr);
         n_tokens = (int32_t) std::min(cparams.n_ctx, cparams.n_ubatch);
         n_f_max  = std::max<int32_t>(1, (int32_t) cparams.n_ctx - 1);
         n_query  = rf.params.selector == LLAMA_RIDGEFILL_SELECTOR_PROBE ? rf.params.n_sel_queries : 0;
@@ -142,8 +142,7 @@ struct llama_ridgefill_reserver {
         if (!rf.swa_scratch) {
             return;
         }
-        llama_memory_context_ptr m = caches.scratch_context(rf.swa_scratch.get(), 0,
-                llama_ridgefill_make_ubatch(0, {}, false, 1), {}, {});
+        llama_memory_context_ptr m = caches.reserve_context(rf.swa_scratch.get());
         std::swap(m, mctx);
         const int32_t n_f = std::min<int32_t>(n_f_max, (int32_t) rf.swa_scratch->get_size());
         bool first = true;

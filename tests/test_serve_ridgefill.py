@@ -855,6 +855,44 @@ def test_a_shared_pool_admits_prompts_when_their_rows_fit(tiny_models, tmp_path)
         assert "Context size has been exceeded" not in s.log() and "Compute error" not in s.log()
 
 
+#: the numerics of TINY_ARGS without its slot count and cache size
+NP_ARGS = ["-c", "4096", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "-fa", "off", "-ctk", "f32",
+           "-ctv", "f32", "--no-warmup"]
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "kv-unified"])
+def test_every_slot_count_starts_and_serves_a_planned_prompt(tiny_models, tmp_path, unified):
+    """-np 1 to 8, with one KV stream per slot and with --kv-unified: the server starts and serves a
+    planned prompt as the library computes it. (-np 3, 5, 6 and 7 used to abort at start-up: RidgeFill
+    reserved its graphs over every stream of the cache, and llama.cpp cuts a ubatch into one part per
+    stream, which 64 rows into 3 cannot be.)"""
+    model = tiny_models["llama"]
+    rf = RidgeFill.identity(**TINY_RF)
+    prompt = _prompt(model, 400)  # whose first token is a whole UTF-8 piece (reported with its probabilities)
+    lib = _library(model, prompt, rf)
+    for n_parallel in range(1, 9):
+        args = [*NP_ARGS, "-np", str(n_parallel), *(["--kv-unified"] if unified else [])]
+        with Server(model, rf, extra_args=args, log_path=tmp_path / f"np{n_parallel}.log", startup_timeout=60) as s:
+            res = _complete(s, prompt)
+            assert res["ridgefill"]["applied"] and res["ridgefill"]["n_filled"] > 0, (n_parallel, res["ridgefill"])
+            _assert_same(res, lib)
+            slots = json.loads(_get(s.url + "/slots")[1])
+            assert len(slots) == n_parallel
+
+
+def test_gemma3_window_sized_cache_with_three_slots(tiny_models, tmp_path):
+    """The late sliding-window layers' scratch is reserved over one stream too: gemma3 on the window-sized
+    cache llama-server creates by default, -np 3, a prompt longer than the cache's window."""
+    model = tiny_models["gemma3"]
+    rf = RidgeFill.identity(**{**TINY_RF, "split": 4, "selector": "protected"})
+    prompt = _prompt(model, 333)
+    lib = _library(model, prompt, rf, swa_full=False)
+    with Server(model, rf, extra_args=[*NP_ARGS, "-np", "3"], log_path=tmp_path / "s.log", startup_timeout=60) as s:
+        res = _complete(s, prompt)
+        assert res["ridgefill"]["applied"] and res["ridgefill"]["window"]["graphs"] > 0, res["ridgefill"]
+        _assert_same(res, lib)
+
+
 def test_huge_and_malformed_requests_get_short_400s(tiny):
     huge = "x" * 1_000_000
     status, body = _post_raw(tiny.url + "/completion",
