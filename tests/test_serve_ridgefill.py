@@ -509,6 +509,11 @@ def test_bad_maps_or_settings_stop_the_server_with_a_message(tiny_models, tmp_pa
     proc = subprocess.run([str(server_binary()), "-m", str(tiny_models["llama"]), "--host", "127.0.0.1", "--port", "0",
                            "--ridgefill-maps", str(other)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--ridgefill-maps" in proc.stdout + proc.stderr
+    # an empty map path (a shell variable that was not set) is refused, not a server that silently runs stock
+    proc = subprocess.run([str(server_binary()), "-m", str(tiny_models["llama"]), "--host", "127.0.0.1", "--port", "0",
+                           "--ridgefill-maps", ""], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--ridgefill-maps" in proc.stdout + proc.stderr and "an empty path" in proc.stdout + proc.stderr
     del ServerError
 
 
@@ -1130,6 +1135,45 @@ def test_one_map_file_runs_one_operating_point_everywhere(tiny_models, tmp_path)
     assert library == c_caller == server == via_props == want, (library, c_caller, server, via_props)
     assert st["applied"] and lib_stats["tail"] == st["tail"] == 12
     assert (lib_stats["n_exact"], lib_stats["n_filled"]) == (st["n_exact"], st["n_filled"])
+
+
+def test_props_reports_the_settings_in_force_whatever_happens_to_the_file(tiny_models, tmp_path):
+    """GET /props reports the settings requests run with, resolved once at load from the maps in memory,
+    the split included: a map file retuned under the running server, or moved away, changes neither the
+    requests nor /props (before: /props re-read the file, showing the new tuned values while requests ran
+    the old ones, -1 / "?" once the file was gone, and split -1 always)."""
+    from ridgefill_cpp.maps.fingerprint import model_fingerprint
+    from ridgefill_cpp.maps.mapfile import write_map_file, write_tuned_defaults
+    from test_mapfile import _maps
+
+    model = tiny_models["llama"]
+    path = write_map_file(tmp_path / "tuned.ridgefill.gguf",
+                          _maps(n_embd=64, split=3, n_layer=6, fingerprint=model_fingerprint(model)), dtype="f32")
+    write_tuned_defaults(path, {"tail": 12, "exact_fraction": 0.25, "selector": "attention", "span": 4,
+                                "key_rescale": 0, "budget": 0.02})
+    want = {"maps": str(path), "split": 3, "tail": 12, "exact_fraction": 0.25, "selector": "attention", "span": 4,
+            "key_rescale": 0, "min_prompt": 64}
+    prompt = _prompt(model, 300)
+    args = ["-c", "1024", "-np", "1", "-b", "256", "-ub", "64", "--threads", "1", "-ngl", "0", "--no-warmup"]
+
+    def running(s: Server) -> dict:
+        st = _complete(s, prompt, n=1)["ridgefill"]
+        assert st["applied"]
+        return {k: st[k] for k in ("split", "tail", "exact_fraction", "selector", "span", "key_rescale")}
+
+    with Server(model, RidgeFill(path, min_prompt=64), extra_args=args, log_path=tmp_path / "s.log",
+                startup_timeout=60) as s:
+        props = lambda: json.loads(_get(s.url + "/props")[1])["ridgefill"]  # noqa: E731
+        assert props() == want
+        in_force = running(s)
+        assert in_force == {k: want[k] for k in in_force}
+        # retuned under the running server: the server keeps the maps and settings it loaded
+        write_tuned_defaults(path, {"tail": 32, "exact_fraction": 0.2, "selector": "attention", "span": 16,
+                                    "key_rescale": 0, "budget": 0.02})
+        assert props() == want and running(s) == in_force
+        # moved away
+        path.rename(tmp_path / "moved.ridgefill.gguf")
+        assert props() == want and running(s) == in_force
 
 
 def settings_name(selector: int) -> str:

@@ -50,26 +50,6 @@ bool server_ridgefill_to_params(const common_params_ridgefill & params, llama_ri
     return true;
 }
 
-common_json server_ridgefill_props(const common_params_ridgefill & params) {
-    // the values the server runs with: the command line's, else the map file's tuned ones, else the
-    // built-in ones, resolved by libllama as llama_ridgefill_attach() resolves them
-    llama_ridgefill_params p;
-    std::string error;
-    if (server_ridgefill_to_params(params, p, error)) {
-        llama_ridgefill_resolve_params(params.maps.empty() ? nullptr : params.maps.c_str(), &p);
-    }
-    common_json res;
-    res["maps"]           = params.maps;
-    res["split"]          = params.split;
-    res["tail"]           = p.n_tail;
-    res["exact_fraction"] = p.exact_fraction;
-    res["selector"]       = rf_selector_name(p.selector);
-    res["span"]           = p.span;
-    res["key_rescale"]    = p.n_key_rescale;
-    res["min_prompt"]     = p.min_prompt;
-    return res;
-}
-
 // a client's value in an error message: the first RF_QUOTE_MAX characters of its JSON text, written
 // without visiting more of the value than those characters show. nlohmann's dump() recurses once
 // per level of nesting, so a value nested 100,000 deep would overflow the stack; here each level
@@ -217,6 +197,7 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
     const int32_t from_maps = llama_ridgefill_get_params(ctx, &defaults);
     attached    = defaults;
     is_attached = true;
+    maps_path   = params.maps;
     this->ctx   = ctx;
     const auto origin = [&](int32_t bit, bool given) {
         return given ? "" : (from_maps & bit) ? " (map file)" : " (built-in)";
@@ -231,6 +212,22 @@ bool server_ridgefill::init(const common_params_ridgefill & params, const std::s
             defaults.n_key_rescale, origin(LLAMA_RIDGEFILL_TUNABLE_KEY_RESCALE, params.n_key_rescale != LLAMA_RIDGEFILL_UNSET),
             defaults.min_prompt);
     return true;
+}
+
+common_json server_ridgefill::props() const {
+    if (!enabled()) {
+        return nullptr;
+    }
+    common_json res;
+    res["maps"]           = maps_path;
+    res["split"]          = defaults.split_layer;
+    res["tail"]           = defaults.n_tail;
+    res["exact_fraction"] = defaults.exact_fraction;
+    res["selector"]       = rf_selector_name(defaults.selector);
+    res["span"]           = defaults.span;
+    res["key_rescale"]    = defaults.n_key_rescale;
+    res["min_prompt"]     = defaults.min_prompt;
+    return res;
 }
 
 llama_ridgefill_params server_ridgefill::params_for(const server_ridgefill_request & req) const {

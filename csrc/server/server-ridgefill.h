@@ -79,11 +79,6 @@ enum server_ridgefill_admission {
 server_ridgefill_admission server_ridgefill_admit(int64_t n_ctx, int64_t n_need,
         const std::vector<server_ridgefill_slot_cells> & others);
 
-// the server's RidgeFill settings for GET /props (maps, split, tail, exact_fraction, selector, span,
-// key_rescale, min_prompt): the command line's, else the map file's tuned values, else the built-in
-// ones; split -1: the map file's
-common_json server_ridgefill_props(const common_params_ridgefill & params);
-
 // the page at "/" of a llama-server built without llama.cpp's web UI (tools/build_ui.py found no
 // node and npm): what is missing and how to get it, instead of a JSON 404
 const char * server_ridgefill_no_ui_page();
@@ -101,6 +96,13 @@ struct server_ridgefill {
               llama_context * ctx, std::string & error);
 
     bool enabled() const { return ctx != nullptr; }
+
+    // the settings the server runs requests with, for GET /props (maps, split, tail, exact_fraction,
+    // selector, span, key_rescale, min_prompt): resolved once, when RidgeFill was attached - the command
+    // line's, else the tuned values of the maps in memory, else the built-in ones - so a map file changed
+    // or moved afterwards changes nothing here, as it changes nothing in the requests; null without
+    // RidgeFill
+    common_json props() const;
 
     // the request's prefill is exact: no RidgeFill on the server, or switched off for the request
     bool exact(const server_ridgefill_request & req) const { return !enabled() || !req.enabled; }
@@ -123,6 +125,7 @@ private:
 
     llama_context        * ctx  = nullptr;
     llama_ridgefill_maps * maps = nullptr;
+    std::string            maps_path; // --ridgefill-maps ("" for identity fill)
 
     llama_ridgefill_params defaults = {}; // the command line's, resolved as attached
     llama_ridgefill_params attached = {}; // attached now
