@@ -7,6 +7,7 @@ import json
 import copy
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -444,6 +445,173 @@ def test_a_rewrite_refuses_a_corrupted_source_instead_of_giving_it_a_fresh_diges
     assert bad.read_bytes() == before
     tuned = mapfile.write_tuned_defaults(good, {"tail": 32, "exact_fraction": 0.1, "selector": "attention"})
     assert read_map_file(tuned).meta.digest == "xxh64"  # tune's rewrite carries a digest of what it wrote
+
+
+# ------------------------------------------------------------------------------------------------
+# ridgefill-gguf digest: what it may overwrite (#56 item 2), what it may vouch for (#56 item 3)
+
+
+def _undigested(tmp_path: Path, name: str = "old.gguf", maps: RidgeMaps | None = None) -> Path:
+    """A map file as written before content digests existed."""
+    return without_digest(write_map_file(tmp_path / f"fitted-{name}", maps or _maps()), tmp_path / name)
+
+
+def _low_rank_maps(rank: int = 4) -> RidgeMaps:
+    """:func:`_maps` as identity + low-rank maps (A = I + U Vᵀ)."""
+    from ridgefill_cpp.maps.compact import dense_map
+
+    maps = _maps()
+    rng = np.random.default_rng(7)
+    maps.meta.map_form = "identity_low_rank"
+    for il in maps.meta.layers:
+        up = rng.standard_normal((maps.meta.n_embd, rank)).astype(np.float32)
+        down = rng.standard_normal((rank, maps.meta.n_embd)).astype(np.float32)
+        maps.factors[il] = (up, down)
+        maps.a[il] = dense_map(up, down, maps.meta.map_form).astype(np.float32)
+    return maps
+
+
+def _no_temporaries(folder: Path) -> bool:
+    return not [p for p in folder.iterdir() if ".ridgefill-tmp-" in p.name]
+
+
+def test_cli_digest_output_needs_force_to_replace_a_file_and_never_replaces_a_model(cli, tmp_path, tiny_models,
+                                                                                   unsupported_model):
+    """``digest maps.gguf -o model.gguf`` replaced a model with the map file and said "wrote". An
+    existing output other than MAPS itself is now refused unless --force (as ``fit -o``), and a GGUF
+    that is not a RidgeFill map file (a model, with or without general.type) is never replaced, not
+    even with --force; nothing is written either way."""
+    import shutil
+
+    old = _undigested(tmp_path)
+    before = old.read_bytes()
+    model = tmp_path / "model.gguf"
+    shutil.copy(tiny_models["llama"], model)
+    for m, kind in ((model, "general.type='model'"), (unsupported_model, "general.type=None")):
+        kept = m.read_bytes()
+        for force in ((), ("--force",)):
+            res = cli("digest", old, "-o", m, *force)
+            text = " ".join(res.output.split())
+            assert res.exit_code == 1 and isinstance(res.exception, SystemExit), text
+            assert (f"{m} is a GGUF model ({kind}), not a RidgeFill map file: refusing to replace it, even with "
+                    "--force" in text), text
+            assert "wrote" not in text and m.read_bytes() == kept and old.read_bytes() == before
+    # any other existing file: refused without --force, replaced with it
+    other = tmp_path / "notes.gguf"
+    other.write_bytes(b"notes")
+    older = _undigested(tmp_path, "older.gguf", _maps(seed=1))  # another map file
+    for target in (other, older):
+        kept = target.read_bytes()
+        res = cli("digest", old, "-o", target)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 1 and f"{target} exists (use --force to overwrite it)" in text, text
+        assert target.read_bytes() == kept
+        res = cli("digest", old, "-o", target, "--force")
+        assert res.exit_code == 0 and "wrote" in res.output, res.output
+        assert read_map_file(target).meta.digest == "xxh64" and target.read_bytes() == (tmp_path / "fitted-old.gguf").read_bytes()
+    assert old.read_bytes() == before
+    # -o naming MAPS itself is the in-place digest: no --force needed
+    res = cli("digest", old, "-o", old)
+    assert res.exit_code == 0 and "wrote" in res.output and read_map_file(old).meta.digest == "xxh64", res.output
+    # the library refuses the same
+    old2 = _undigested(tmp_path, "old2.gguf")
+    with pytest.raises(MapFileError, match=r"is a GGUF model \(general\.type='model'\), not a RidgeFill map file"):
+        mapfile.add_digest(old2, model, overwrite=True)
+    with pytest.raises(FileExistsError, match=r"notes\.gguf exists"):
+        other.write_bytes(b"notes")
+        mapfile.add_digest(old2, other)
+    assert model.read_bytes() == Path(tiny_models["llama"]).read_bytes() and other.read_bytes() == b"notes"
+    assert _no_temporaries(tmp_path)
+
+
+_ZERO_F16, _NAN_F32, _INF_F16 = set_to(0.0, np.float16), set_to(float("nan"), np.float32), set_to(float("inf"), np.float16)
+
+
+@pytest.mark.parametrize("maps, tensor, edit, why", [
+    (_maps, "blk.5.ridgefill_a.weight", _ZERO_F16, "tensor blk.5.ridgefill_a.weight is all zeros"),
+    (_low_rank_maps, "blk.4.ridgefill_a_down.weight", _ZERO_F16, "tensor blk.4.ridgefill_a_down.weight is all zeros"),
+    (_low_rank_maps, "blk.5.ridgefill_a_up.weight", _ZERO_F16, "tensor blk.5.ridgefill_a_up.weight is all zeros"),
+    (_maps, "blk.4.ridgefill_b.bias", _NAN_F32, "layer 4: the map has NaN or Inf values"),
+    (_maps, "blk.5.ridgefill_a.weight", _INF_F16, "layer 5: the map has NaN or Inf values"),
+    (_low_rank_maps, "blk.4.ridgefill_a_up.weight", _INF_F16, "layer 4: the map has NaN or Inf values"),
+], ids=["zero-matrix", "zero-down-factor", "zero-up-factor", "nan-bias", "inf-matrix", "inf-factor"])
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # I + U Vᵀ of an Inf factor
+def test_digest_refuses_a_map_file_that_is_not_finished(cli, tmp_path, maps, tensor, edit, why):
+    """A writer that preallocates a file and fills it in chunks, digested mid-copy: its all-zero
+    layers got a valid digest (and then loaded as RidgeFill on), and so did NaN biases. ``digest``
+    now refuses what no finished map file holds (a map matrix or factor all zeros) and every value
+    the readers refuse, saying why, and writes nothing."""
+    old = _undigested(tmp_path, maps=maps())
+    bad = corrupted_copy(old, tmp_path / "bad.gguf", tensor, edit)
+    before = bad.read_bytes()
+    with pytest.raises(MapFileError, match=rf"bad\.gguf: {re.escape(why)}.*not given a digest"):
+        mapfile.add_digest(bad)
+    res = cli("digest", bad, "-o", tmp_path / "out.gguf")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and why in text and "not given a digest" in text and "wrote" not in text, text
+    res = cli("digest", bad)
+    assert res.exit_code == 1 and why in " ".join(res.output.split()), res.output
+    assert bad.read_bytes() == before and not (tmp_path / "out.gguf").exists() and _no_temporaries(tmp_path)
+    assert mapfile.add_digest(old) == (old.resolve(), True)  # the same file, finished: given one
+
+
+def _append(path: Path) -> None:
+    """A writer still appending to the file."""
+    with open(path, "ab") as f:
+        f.write(b"\x01" * 4096)
+
+
+def _fill_in(path: Path) -> None:
+    """A writer filling in a preallocated file: same size, new bytes, a later modification time
+    (set explicitly: the clock may not have ticked)."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(-32, os.SEEK_END)
+        f.write(b"\x01" * 32)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def _replace(path: Path) -> None:
+    """A writer that renames its finished file over the one being read: same bytes, size and
+    modification time, another inode."""
+    import shutil
+
+    fresh = path.with_name(path.name + ".new")
+    shutil.copy2(path, fresh)
+    os.replace(fresh, path)
+
+
+@pytest.mark.parametrize("writer, what", [(_append, "its size went from"), (_fill_in, "it was modified"),
+                                          (_replace, "it was replaced by another file")],
+                         ids=["appended", "filled-in", "replaced"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "to-output"])
+def test_digest_refuses_a_map_file_that_changes_while_it_is_read(cli, tmp_path, monkeypatch, writer, what, in_place):
+    """``digest`` in place writes a new file and renames it over the old one: a writer still writing
+    to the old file would lose its later bytes, and the digest would vouch for a half-written file.
+    A file whose size, modification time or inode differ before and after it is read is refused.
+    Deterministic: the writer runs right after ``digest`` has read and checked the maps."""
+    old = _undigested(tmp_path)
+    real = mapfile.read_map_file
+    left = []  # what the writer left, each time it ran
+
+    def read_then_write(path):
+        maps = real(path)
+        writer(Path(path))
+        left.append(Path(path).read_bytes())
+        return maps
+
+    monkeypatch.setattr(mapfile, "read_map_file", read_then_write)
+    out = tmp_path / "out.gguf"
+    res = cli("digest", old, *(() if in_place else ("-o", out)))
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), text
+    assert f"{old.resolve()} changed while it was being read ({what}" in text and "not given a digest" in text, text
+    assert "wrote" not in text and len(left) == 1
+    with pytest.raises(MapFileError, match=rf"old\.gguf changed while it was being read \({what}"):
+        mapfile.add_digest(old, None if in_place else out)
+    # what the writer left is there, not replaced by the copy digest made of it; nothing else written
+    assert len(left) == 2 and old.read_bytes() == left[-1]
+    assert not out.exists() and _no_temporaries(tmp_path)
 
 
 def _with_key(src: Path, dst: Path, key: str, value, kind) -> Path:

@@ -51,14 +51,21 @@ def fail(msg: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def check_output_file(path: Path, *, force: bool = True) -> None:
+def check_output_file(path: Path, *, force: bool = True, map_file: bool = False) -> None:
     """An output file, checked before the work starts: a regular file or nothing there (never a
-    symlink, FIFO or device), not there unless ``force``, in a writable directory."""
-    from ..core.files import OutputPathError, check_output
+    symlink, FIFO or device), not there unless ``force``, in a writable directory. With ``map_file``
+    (a map file is written there) also no GGUF other than a RidgeFill map file: a model is never
+    replaced, not even with ``force`` (:func:`ridgefill_cpp.maps.mapfile.check_map_output`)."""
+    from ..core.files import check_output
 
     try:
-        check_output(path, overwrite=force)
-    except (OutputPathError, FileExistsError) as e:
+        if map_file:
+            from ..maps.mapfile import check_map_output
+
+            check_map_output(path, overwrite=force)
+        else:
+            check_output(path, overwrite=force)
+    except (ValueError, FileExistsError) as e:  # OutputPathError, MapFileError (a model there)
         fail(str(e))
 
 

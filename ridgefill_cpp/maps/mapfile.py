@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -877,20 +878,104 @@ def write_tuned_defaults(path: os.PathLike | str, defaults: dict[str, Any]) -> P
 UNDIGESTED_HINT = "add one with `ridgefill-gguf digest FILE` if you trust its bytes (or fit the maps again)"
 
 
-def add_digest(path: os.PathLike | str, out_path: os.PathLike | str | None = None) -> tuple[Path, bool]:
+def other_gguf(path: os.PathLike | str) -> str | None:
+    """What the file at ``path`` is when it is a GGUF file other than a RidgeFill map file (``"a GGUF
+    model (general.type='model')"``) or cannot be read to tell, else None: nothing there, not a
+    regular file (:func:`ridgefill_cpp.core.files.check_output` refuses those), a map file, or a file
+    that is not GGUF."""
+    from ..core.files import not_regular
+
+    path = Path(path)
+    if not_regular(path) is not None or not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+    except OSError as e:  # what it is cannot be told: not replaced either
+        return f"a file that cannot be read ({e.strerror or type(e).__name__})"
+    try:
+        md = read_metadata(path)
+    except GGUFFileError:
+        return "a GGUF file whose metadata cannot be read"
+    kind, adapter = md.get("general.type"), md.get("adapter.type")
+    if kind == "adapter" and adapter == ADAPTER_TYPE:
+        return None
+    return f"a GGUF adapter (adapter.type={adapter!r})" if kind == "adapter" else f"a GGUF model (general.type={kind!r})"
+
+
+def check_map_output(path: os.PathLike | str, *, overwrite: bool = False) -> Path:
+    """``path`` as a Path, after checking that a map file may be written there
+    (:func:`ridgefill_cpp.core.files.check_output`: a regular file or nothing, replaced only with
+    ``overwrite``, in a writable directory) and that what is there is no GGUF other than a RidgeFill
+    map file: a model is never replaced, not even with ``overwrite`` (:class:`MapFileError`)."""
+    what = other_gguf(path)
+    if what is not None:
+        raise MapFileError(f"{path} is {what}, not a RidgeFill map file: refusing to replace it, even with --force "
+                           "(give another output file)")
+    return check_output(path, overwrite=overwrite)
+
+
+def _changes(before: os.stat_result, after: os.stat_result) -> list[str]:
+    """What differs between two stats of one path: another inode, size, modification time."""
+    out = []
+    if (after.st_ino, after.st_dev) != (before.st_ino, before.st_dev):
+        out.append("it was replaced by another file")
+    if after.st_size != before.st_size:
+        out.append(f"its size went from {before.st_size} to {after.st_size} bytes")
+    if after.st_mtime_ns != before.st_mtime_ns:
+        out.append("it was modified")
+    return out
+
+
+def add_digest(path: os.PathLike | str, out_path: os.PathLike | str | None = None, *,
+               overwrite: bool = False) -> tuple[Path, bool]:
     """Give the map file at ``path`` the content digest of the bytes it holds now (written to
     ``out_path``, default ``path`` itself, atomically; everything else copied unchanged), for a file
     written before map files had one. A file that has one is only checked against it (a corrupted
     file is refused, never given a fresh digest) and not written. Returns the file that has the
-    digest and whether it was written. Raises :class:`MapFileError`."""
-    path = Path(path)
-    md = _read_map_metadata(path.resolve())  # a map file (clear error otherwise)
-    if check_digests(path, md):
-        if out_path is not None and Path(out_path).resolve() != path.resolve():
-            raise MapFileError(f"{path} already has a content digest (checked: the weights are as written); "
+    digest and whether it was written.
+
+    A digest vouches for the bytes, so a file that cannot be a finished map file is refused
+    (:class:`MapFileError` saying why), never given one: values the readers refuse
+    (:func:`read_map_file`: NaN or Inf, metadata out of range), a map matrix or low-rank factor that
+    is all zeros (preallocated and not yet filled in), and a file that changes while it is read (its
+    size, modification time or inode differ before and after: a writer still at work, whose later
+    bytes the rename would lose). An output other than ``path`` that exists is replaced only with
+    ``overwrite`` (``FileExistsError``), and never when it is a GGUF other than a RidgeFill map file
+    (:func:`check_map_output`)."""
+    from ..core.files import atomic_path
+
+    given, path = Path(path), Path(path).resolve()
+    dest = path if out_path is None else Path(out_path).resolve()
+    if dest != path:
+        check_map_output(out_path, overwrite=overwrite)
+    before = os.stat(path)
+    md = _read_map_metadata(path)  # a map file (clear error otherwise)
+    if check_digests(given, md):
+        if dest != path:
+            raise MapFileError(f"{given} already has a content digest (checked: the weights are as written); "
                                "copy it instead of writing it again")
-        return path, False
-    return rewrite_map_file(path, out_path, allow_undigested=True), True
+        return given, False
+    refused = "not given a digest; run digest again once the file is complete (or fit the maps again)"
+    try:
+        maps = read_map_file(path)  # every check the readers run: a digest for a file they refuse is no use
+    except MapFileError as e:
+        raise MapFileError(f"{e}: {refused}") from None
+    for il in maps.meta.layers:
+        matrices = ((tensor_name_a_up(il), maps.factors[il][0]), (tensor_name_a_down(il), maps.factors[il][1])) \
+            if il in maps.factors else ((tensor_name_a(il), maps.a[il]),)
+        for name, x in matrices:
+            if not np.any(x):
+                raise MapFileError(f"{path}: tensor {name} is all zeros, which no fit writes (a file still being "
+                                   f"written, preallocated and not yet filled in?): {refused}")
+    with atomic_path(dest, mode=stat.S_IMODE(before.st_mode)) as tmp:
+        rewrite_map_file(path, tmp, allow_undigested=True)
+        changed = _changes(before, os.stat(path))  # before the rename: a writer's later bytes would be lost
+        if changed:
+            raise MapFileError(f"{path} changed while it was being read ({'; '.join(changed)}): it is still being "
+                               "written; not given a digest, nothing written: run digest again once the writer has finished")
+    return dest, True
 
 
 def rewrite_map_file(path: os.PathLike | str, out_path: os.PathLike | str | None = None, *,
