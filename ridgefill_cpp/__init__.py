@@ -15,9 +15,10 @@ except PackageNotFoundError:  # pragma: no cover - source tree without an instal
 
 from .core import models, settings  # noqa: E402
 from .core.log import install as _install_log, set_llama_log  # noqa: E402
+from .runtime.native_maps import UndigestedMapsWarning  # noqa: E402
 from .runtime.prefill import Llama, RidgeFill  # noqa: E402  (after _native: the patched libraries)
 
 _install_log()  # llama.cpp's log lines by their real levels, through one switch (ridgefill_cpp.core.log)
 
 __all__ = ["Llama", "RidgeFill", "LIB_DIR", "NativeLibraryError", "build_info", "models", "settings", "set_llama_log",
-           "__version__"]
+           "UndigestedMapsWarning", "__version__"]

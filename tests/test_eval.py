@@ -242,3 +242,20 @@ def test_ci_text():
     assert ci_text({"estimate": 0.01234, "low": -0.002, "high": 0.03, "n": 4}, bound_fmt="{:+.3f}") == "+0.0123 [-0.002, +0.030]"
     assert ci_text({"estimate": 0.5, "low": float("nan"), "high": float("nan"), "n": 1}) == "+0.5000 (1 document: no CI)"
     assert ci_text(None) == "—"
+
+
+def test_an_empty_text_option_is_named_by_its_use(tiny_models, tiny_maps, cli, tmp_path):
+    """Text options with no text in them: eval (and eval --ruler) name the evaluation text, tune the
+    held-out text, fit the calibration text; eval --ruler --text spoke of "calibration text" (issue #56)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    model, maps = tiny_models["llama"], tiny_maps[0]
+    for args, what in ((("eval", model, "--maps", maps, "--text", empty, "--out", tmp_path / "x"), "evaluation text"),
+                       (("eval", model, "--maps", maps, "--ruler", "--lengths", 1024, "--text", empty, "--out",
+                         tmp_path / "x"), "evaluation text"),
+                       (("tune", model, "--maps", maps, "--budget", 1, "--dry-run", "--text", empty), "held-out text"),
+                       (("fit", model, empty, "-o", tmp_path / "m.gguf"), "calibration text")):
+        r = cli(*args)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and said == f"error: no {what} found in {empty} (all empty?)", (args, r.output)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "m.gguf").exists()

@@ -683,10 +683,51 @@ def test_cli_tune_fit_fits_the_candidate_splits_first_and_uses_them_again(tiny_m
     assert "fitting maps" not in r.output and r.output.count("--fit: using") == 2
     assert [p.read_bytes() for p in paths] == before
 
-    (tmp_path / "tiny.S5.ridgefill.gguf").write_bytes(b"not a map file")
-    r = cli("tune", model, "--fit", "5", "--budget", 10, *CLI_GRID)
+    (tmp_path / "tiny.S2.ridgefill.gguf").write_bytes(b"not a map file")
+    r = cli("tune", model, "--fit", "2", "--budget", 10, *CLI_GRID)
     assert r.exit_code == 1 and "cannot be used" in r.output and "move it away" in r.output
     r = cli("tune", model, "--fit", "3,3", "--budget", 10, *CLI_GRID)
     assert r.exit_code == 1 and "distinct" in r.output
     r = cli("tune", model, "--budget", 10, *CLI_GRID)
     assert r.exit_code == 1 and "--maps" in r.output and "--fit" in r.output
+
+
+def test_cli_tune_fit_dry_run_fits_and_writes_no_map_file(tiny_models, fitted, cli, tmp_path):
+    """`tune --fit ... --dry-run` fitted the missing map files beside the model (issue #56): a dry run
+    writes no map file; it says which it would fit and tunes over the ones there (if any)."""
+    model = tmp_path / "tiny.gguf"
+    shutil.copyfile(tiny_models["llama"], model)
+    r = cli("tune", model, "--fit", "3,4", "--budget", 10, *CLI_GRID, "--dry-run")
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert (f"--fit: dry run: would fit maps for S = 3, 4 (one capture pass) into {tmp_path / 'tiny.S3.ridgefill.gguf'}, "
+            f"{tmp_path / 'tiny.S4.ridgefill.gguf'}: a dry run fits none and writes no map file") in said, said
+    assert "dry run: no map file to tune over until they are fitted" in said and "fitting maps" not in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+    # S = 4 there: tuned over (not modified), S = 3 only said
+    (s4,) = _copies(fitted, tmp_path, splits=(4,))
+    before = s4.read_bytes()
+    r = cli("tune", model, "--fit", "3,4", "--budget", 10, *CLI_GRID, "--dry-run")
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert f"--fit: using {s4}" in said and "would fit maps for S = 3 (one capture pass)" in said, said
+    assert "it tunes over the other map files only" in said and f"dry run: the tuned defaults would go into {s4}; it was not modified" in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.S4.ridgefill.gguf", "tiny.gguf"]
+    assert s4.read_bytes() == before
+
+
+def test_cli_tune_fit_checks_its_splits_before_any_output_or_work(tiny_models, fitted, cli, tmp_path):
+    """`tune --fit 0` said "fitting maps for S = 0" and showed a progress bar before fit refused it
+    (issue #56): the splits are checked first, as fit checks them (1..L-2: maps for S+1..L-1)."""
+    model = tmp_path / "tiny.gguf"
+    shutil.copyfile(tiny_models["llama"], model)  # 6 layers
+    _copies(fitted, tmp_path, splits=(4,))  # one split there: not even "using" is said before the error
+    for spec, why in (("0", "split 0 outside 1..5 (the model has 6 layers)"),
+                      ("4,9", "split 9 outside 1..5 (the model has 6 layers)"),
+                      ("4,5", "split 5 = L-1 leaves no layer to map")):
+        r = cli("tune", model, "--fit", spec, "--budget", 10, *CLI_GRID)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and said.startswith(f"error: --fit: {why}"), (spec, r.output)
+        assert "fitting" not in said and "using" not in said and "tuning" not in said, (spec, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.S4.ridgefill.gguf", "tiny.gguf"]

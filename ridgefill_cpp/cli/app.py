@@ -114,21 +114,43 @@ def main(
     ),
 ) -> None:
     """RidgeFill: faster long-prompt prefill for llama.cpp (late-layer KV filled from ridge maps)."""
+    import warnings
+
     from ..core.log import llama_log_override, set_llama_log
 
     before = llama_log_override()
     set_llama_log(verbose)
     ctx.call_on_close(lambda: set_llama_log(before))  # a command run in-process leaves the switch as it was
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning(shown)
+    ctx.call_on_close(lambda: setattr(warnings, "showwarning", shown))
 
 
-def read_text_option(text: Optional[list[Path]]) -> Optional[dict[str, list[tuple[str, str]]]]:
-    """The documents of --text (eval, tune) as {"text": [(name, text)]}, or None for the default texts."""
+def _show_warning(shown):
+    """``warnings.showwarning`` for the commands: the package's own warnings (an undigested map file
+    loaded) as ``warning: ...`` lines on stderr, whatever --verbose is; any other through ``shown``."""
+    from rich.markup import escape
+
+    from ..runtime.native_maps import UndigestedMapsWarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UndigestedMapsWarning):
+            err.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    return show
+
+
+def read_text_option(text: Optional[list[Path]], what: str) -> Optional[dict[str, list[tuple[str, str]]]]:
+    """The documents of --text (eval, tune) as {"text": [(name, text)]}, or None for the default texts;
+    ``what`` names the text's use in the messages (``"evaluation text"``, ``"held-out text"``)."""
     from ..fitting.corpus import read_documents
 
     if not text:
         return None
     try:
-        found = read_documents(text)
+        found = read_documents(text, what)
     except (OSError, ValueError) as e:
         fail(str(e))
     if not found:

@@ -80,7 +80,7 @@ def eval_cmd(
     if ruler_tasks is not None or samples != settings.RULER_SAMPLES or ruler_identity:
         fail("--ruler-tasks, --samples and --ruler-identity go with --ruler")
     options = EvalOptions.quick(**kw) if quick else EvalOptions(**kw)
-    texts = read_text_option(text)
+    texts = read_text_option(text, "evaluation text")
     t0 = time.perf_counter()
     res = _measured("evaluating", lambda progress: evaluate(model, maps, options, texts=texts,
                                                             compare_maps=compare_maps or (), progress=progress))
@@ -131,7 +131,7 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
         options.check()
     except ValueError as e:
         fail(str(e))
-    given = read_text_option(text)
+    given = read_text_option(text, "evaluation text")
     essay_texts = given or default_texts()
     kind = "text" if given else "documentation"
     essay = "\n\n".join(t for _, t in essay_texts[kind])

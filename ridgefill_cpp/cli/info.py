@@ -84,6 +84,7 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
     from ..core.gguf_model import HYBRID_ARCHITECTURES
     from ..maps.compact import map_bytes
     from ..maps.mapfile import describe_form, map_tensor_bytes_by_layer, read_tuned_defaults
+    from ..runtime.native_maps import undigested_allowed
 
     per_layer = map_tensor_bytes_by_layer(path)
     n_bytes = sum(per_layer.values())
@@ -125,8 +126,10 @@ def _show_map_file(path, meta, problems, model, as_json: bool, gains=None, gain_
                    "RidgeFill(placement=\"host\"); the same bytes either way"),
         ("written by", f"ridgefill-cpp {meta.tool_version}, format {meta.format_version}"),
         ("content digest", "XXH64 of every tensor, checked: the weights are as written" if meta.digest else
-                           "none (written before map files had one): corrupted weights cannot be detected, so "
-                           "libllama refuses the file; `ridgefill-gguf digest FILE` adds one"),
+                           "none (written before map files had one): corrupted weights cannot be detected, "
+                           + ("and libllama loads the file only because LLAMA_RIDGEFILL_ALLOW_UNDIGESTED is set"
+                              if undigested_allowed() else "so libllama refuses the file")
+                           + "; `ridgefill-gguf digest FILE` adds one"),
     ]:
         t.add_row(k, v)
     if gains:

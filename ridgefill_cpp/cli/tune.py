@@ -35,7 +35,7 @@ def tune_cmd(
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Held-out text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     strict: bool = typer.Option(False, "--strict", help="Feasible only when the 95 % CI's upper bound (not the point estimate) is within the budget."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Measure and choose, but write nothing into the map file."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Measure and choose, but write no map file: nothing into the chosen one, and with --fit no fitted one (it says which it would fit, and tunes over the map files already there)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write pareto.png, tune.json and tune.md into this directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of tables."),
 ) -> None:
@@ -65,13 +65,18 @@ def tune_cmd(
         fail("give the map files to tune (--maps, from `fit`) or the splits to fit first (--fit)")
     if out_dir is not None:
         check_output_dir(out_dir, "--out")
-    maps = list(maps or []) + ([] if fit_splits is None else _fit_first(model, fit_splits, fit_tokens, threads, maps or []))
+    maps = list(maps or []) + ([] if fit_splits is None else
+                               _fit_first(model, fit_splits, fit_tokens, threads, maps or [], dry_run))
+    if not maps:  # a dry run of --fit with none of its map files there yet
+        out.print("dry run: no map file to tune over until they are fitted (run without --dry-run to fit them); "
+                  "nothing was written", highlight=False, soft_wrap=True)
+        return
     if not dry_run:  # the chosen map file gets the tuned defaults at the end: checked now, not after the work
         try:
             check_writable_maps(maps)
         except OutputPathError as e:
             fail(f"--maps: {e}")
-    texts = read_text_option(text)
+    texts = read_text_option(text, "held-out text")
     options = TuneOptions(n_threads=threads, strict=strict,
                           **given_options(tails=ts and tuple(ts), fractions=fs and tuple(fs), spans=ws and tuple(ws),
                                           key_rescales=cs and tuple(cs),
@@ -125,15 +130,20 @@ def tune_cmd(
                   f"tail={best.tail}, exact_fraction={best.exact_fraction:g}, selector={best.selector!r}{span}, "
                   f"key_rescale={best.key_rescale} unless given", highlight=False)
     else:
-        out.print(f"dry run: {best.maps} was not modified", highlight=False)
+        out.print(f"dry run: the tuned defaults would go into {best.maps}; it was not modified", highlight=False,
+                  soft_wrap=True)
     if paths:
         out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
 
 
-def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[int], given: list[Path]) -> list[Path]:
+def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[int], given: list[Path],
+               dry_run: bool) -> list[Path]:
     """tune --fit: the map files of the splits in spec, beside the model; the missing ones fitted now
-    (``fit``, one capture pass), the ones there checked and used."""
+    (``fit``, one capture pass), the ones there checked and used. Everything is checked before
+    anything is said or done; a dry run fits nothing, says which files it would fit and returns
+    only the ones there."""
     from ..core.gguf_model import GGUFFileError, read_model_info
+    from ..fitting.fit import FitError, check_split
     from ..maps.mapfile import MapFileError, fitting_map_metas
     from .fit import fit, maps_path_template
 
@@ -145,14 +155,19 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
               else number_list(spec, "--fit", int))
     if len(set(splits)) != len(splits):
         fail(f"--fit: splits must be distinct, not {spec!r}")
+    for s in splits:
+        try:
+            check_split(s, info.n_layer)
+        except FitError as e:
+            fail(f"--fit: {e}")
     template = maps_path_template(model)
     paths = [Path(template.replace("{split}", str(s))) for s in splits]
-    todo = []
+    todo, there = [], []
     for s, path in zip(splits, paths):
         if any(path.resolve() == g.resolve() for g in given):
             fail(f"--fit: {path} is also given with --maps")
         if not path.exists():
-            todo.append(s)
+            todo.append((s, path))
             continue
         try:
             meta = fitting_map_metas([path], model)[0]
@@ -160,10 +175,19 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
             fail(f"--fit: {path} is there but cannot be used ({e}); move it away to fit S = {s} again")
         if meta.split_layer != s:
             fail(f"--fit: {path} holds maps for S = {meta.split_layer}, not {s}; move it away to fit S = {s}")
-        out.print(f"--fit: using {path} (this model's maps for S = {s}; delete it to fit again)", highlight=False)
+        there.append((s, path))
+    for s, path in there:
+        out.print(f"--fit: using {path} (this model's maps for S = {s}; delete it to fit again)", highlight=False,
+                  soft_wrap=True)
+    if todo and dry_run:
+        out.print(f"--fit: dry run: would fit maps for S = {', '.join(str(s) for s, _ in todo)} (one capture pass) "
+                  f"into {', '.join(str(p) for _, p in todo)}: a dry run fits none and writes no map file"
+                  + ("; it tunes over the other map files only" if there or given else ""),
+                  highlight=False, soft_wrap=True)
+        return [p for _, p in there]
     if todo:
-        out.print(f"--fit: fitting maps for S = {', '.join(map(str, todo))} (one capture pass)", highlight=False)
-        fit(model=model, calibration=None, output=Path(template), split=",".join(map(str, todo)), tokens=tokens,
+        out.print(f"--fit: fitting maps for S = {', '.join(str(s) for s, _ in todo)} (one capture pass)", highlight=False)
+        fit(model=model, calibration=None, output=Path(template), split=",".join(str(s) for s, _ in todo), tokens=tokens,
             ctx=None, objective="normalized", dtype=None, rank=None, rank_share=None, rank_form="identity",
             threads=threads, force=False, state_gains=None,
             state_gain_windows=settings.FIT_STATE_GAIN_WINDOWS)

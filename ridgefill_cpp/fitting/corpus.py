@@ -90,11 +90,11 @@ def default_source_description(split: Split = "calibration") -> str:
             f"sources; {LICENCE}")
 
 
-def read_documents(paths: Iterable[os.PathLike | str]) -> list[Document]:
+def read_documents(paths: Iterable[os.PathLike | str], what: str = "calibration text") -> list[Document]:
     """Text documents from files and directories (recursively; text-like suffixes, UTF-8).
 
     Raises ``FileNotFoundError`` for a path that does not exist and ``ValueError`` when nothing
-    readable was found.
+    readable was found, naming the text as ``what`` (its use: ``"calibration text"``, ``"evaluation text"``).
     """
     docs: list[Document] = []
     for raw in paths:
@@ -112,5 +112,5 @@ def read_documents(paths: Iterable[os.PathLike | str]) -> list[Document]:
             if text.strip():
                 docs.append(Document(str(f), "text", text))
     if not docs:
-        raise ValueError("no calibration text found in " + ", ".join(str(p) for p in paths) + " (all empty?)")
+        raise ValueError(f"no {what} found in " + ", ".join(str(p) for p in paths) + " (all empty?)")
     return docs

@@ -64,6 +64,15 @@ class FitError(ValueError):
     """Unusable fit input: unsupported model, split out of range, too little text."""
 
 
+def check_split(split: int, n_layer: int) -> None:
+    """That maps can be fitted for ``split`` in a model of ``n_layer`` layers (they map layers
+    S+1..L-1: 1 <= S <= L-2); :class:`FitError` says why not."""
+    if not 1 <= split <= n_layer - 1:
+        raise FitError(f"split {split} outside 1..{n_layer - 1} (the model has {n_layer} layers)")
+    if split == n_layer - 1:
+        raise FitError(f"split {split} = L-1 leaves no layer to map (maps exist for S+1..L-1)")
+
+
 @dataclass
 class FitOptions:
     split: int | None = None  # None: L - floor(L/3)
@@ -404,10 +413,7 @@ def fit_ridge_maps_for_splits(
     if not splits or len(set(splits)) != len(splits):
         raise FitError(f"splits must be distinct and at least one: {splits}")
     for split in splits:
-        if not 1 <= split <= L - 1:
-            raise FitError(f"split {split} outside 1..{L - 1} (the model has {L} layers)")
-        if split == L - 1:
-            raise FitError(f"split {split} = L-1 leaves no layer to map (maps exist for S+1..L-1)")
+        check_split(split, L)
     if opt.objective not in OBJECTIVES:
         raise FitError(f"objective {opt.objective!r}: expected one of {', '.join(OBJECTIVES)}")
     lengths = window_lengths(opt.ctx)

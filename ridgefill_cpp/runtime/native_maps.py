@@ -3,20 +3,49 @@
 The C loader checks the file against the model (type, format version, architecture, n_layer,
 n_embd, split, the range of its metadata numbers, mapped layers, tensor shapes and types, each
 tensor's content digest, finite values) and, given the model's file, the fingerprint of the model
-the maps were fitted on.
+the maps were fitted on. A file without a content digest loads only with
+``LLAMA_RIDGEFILL_ALLOW_UNDIGESTED`` set (:func:`undigested_allowed`), and then with an
+:class:`UndigestedMapsWarning`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from ..core import native as N
 from ..core.limits import check_c_string
-from ..maps.mapfile import MapFileError
+from ..maps.mapfile import KEY_DIGEST, MapFileError
+
+#: the environment variable that makes libllama load a map file without a content digest
+ALLOW_UNDIGESTED = "LLAMA_RIDGEFILL_ALLOW_UNDIGESTED"
+
+
+class UndigestedMapsWarning(UserWarning):
+    """A map file without a content digest was loaded, only because ``LLAMA_RIDGEFILL_ALLOW_UNDIGESTED``
+    is set: corrupted map weights in it would not be detected."""
+
+
+def undigested_allowed() -> bool:
+    """Whether libllama loads a map file without a content digest: ``LLAMA_RIDGEFILL_ALLOW_UNDIGESTED``
+    read as libllama reads it (C ``atoi`` > 0: ``1`` yes; ``0``, ``yes`` or empty no)."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?\d+)", os.environ.get(ALLOW_UNDIGESTED, ""))
+    return m is not None and int(m.group(1)) > 0
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package: a warning names the caller's line."""
+    package = __name__.split(".")[0] + "."
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(package):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 class NativeMaps:
@@ -35,6 +64,11 @@ class NativeMaps:
         if not handle:
             raise MapFileError(N.llama_ridgefill_last_error().decode(errors="replace"))
         self._handle = handle
+        if not self.digest_checked:  # libllama's own line is a warning of its log, which verbose=False hides
+            warnings.warn(f"{self.path}: the map file has no content digest ({KEY_DIGEST}) and was loaded "
+                          f"only because {ALLOW_UNDIGESTED} is set: corrupted map weights in it would not be "
+                          "detected (`ridgefill-gguf digest FILE` adds one to a file whose bytes you trust)",
+                          UndigestedMapsWarning, stacklevel=_caller_stacklevel())
 
     @property
     def handle(self):
