@@ -401,6 +401,7 @@ llama_ridgefill_graph llama_ridgefill_context::early_graph(std::vector<int32_t> 
 }
 
 int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end) {
+    stock_reason.clear();
     if (plan.active) {
         llama_ridgefill_set_error("llama_ridgefill_begin", format("a planned prompt is in progress (sequence %d, rows [%d, %d)): "
                 "decode its rows, or llama_ridgefill_cancel", plan.seq_id, plan.pos0, plan.pos_end));
@@ -422,17 +423,25 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
     }
     llama_ridgefill_clear_error();
 
+    // degenerate: stock prefill (docs/design.md §4.6)
     const int32_t N = pos_end - pos0;
-    if (params.split_layer >= n_layer || N <= params.n_tail || N < params.min_prompt) {
-        return 0; // degenerate: stock prefill (docs/design.md §4.6)
+    if (params.split_layer >= n_layer) {
+        stock_reason = format("the split is the model's last layer (%d): every row runs every layer", n_layer);
+        return 0;
+    }
+    if (N <= params.n_tail || N < params.min_prompt) {
+        stock_reason = N <= params.n_tail ? format("%d new prompt rows, no more than the tail (%d)", N, params.n_tail) :
+                                            format("%d new prompt rows, fewer than min_prompt (%d)", N, params.min_prompt);
+        return 0;
     }
 
     // outputs computed inside the prompt's graphs, from the last ubatch before the late phase has
     // run: embeddings switched on after attaching (llama_set_embeddings) and a backend sampler
     // (llama_set_sampler). The prompt runs stock prefill, which gives them what they expect
     if (lctx.get_cparams().embeddings || lctx.has_sampler(seq_id)) {
-        LLAMA_LOG_INFO("%s: stock prefill for the %d rows of sequence %d: it %s inside the graph\n", __func__, N, seq_id,
+        stock_reason = format("the sequence %s inside the prompt's graph, before the late layers would run",
                 lctx.get_cparams().embeddings ? "computes embeddings" : "samples on the backend (llama_set_sampler)");
+        LLAMA_LOG_INFO("%s: stock prefill for the %d rows of sequence %d: %s\n", __func__, N, seq_id, stock_reason.c_str());
         return 0;
     }
 
@@ -451,8 +460,9 @@ int32_t llama_ridgefill_context::begin(llama_seq_id seq_id, llama_pos pos0, llam
     const llama_ridgefill_caches caches(lctx.get_memory());
     const bool swa_prefix = swa_scratch && caches.swa->seq_pos_min(seq_id) >= 0 && caches.swa->seq_pos_min(seq_id) < pos0;
     if (swa_prefix && caches.swa->get_cells(seq_id).get_used() + (uint32_t) N > caches.swa->get_size()) {
-        LLAMA_LOG_INFO("%s: stock prefill for the %d rows of sequence %d after its cached rows: the window-sized "
-                "sliding-window cache (%u cells) cannot keep the rows they attend to\n", __func__, N, seq_id, caches.swa->get_size());
+        stock_reason = format("%d new prompt rows after cached rows: the window-sized sliding-window cache (%u cells) "
+                "cannot keep the cached rows they attend to (a full-size cache, swa_full or --swa-full, can)", N, caches.swa->get_size());
+        LLAMA_LOG_INFO("%s: stock prefill for sequence %d: %s\n", __func__, seq_id, stock_reason.c_str());
         return 0;
     }
 
@@ -683,6 +693,10 @@ int32_t llama_ridgefill_get_stats(struct llama_context * ctx, struct llama_ridge
     }
     *out = rf->stats;
     return 0;
+}
+
+const char * llama_ridgefill_stock_reason(const struct llama_context * ctx) {
+    return ctx != nullptr && ctx->ridgefill ? ctx->ridgefill->stock_reason.c_str() : "";
 }
 
 int32_t llama_ridgefill_get_exact(struct llama_context * ctx, llama_pos * out, int32_t n) {

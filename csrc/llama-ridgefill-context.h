@@ -230,6 +230,7 @@ struct llama_ridgefill_context {
     std::vector<ggml_tensor *>           xs_layer; // [n_layer]; empty without copies
 
     llama_ridgefill_plan  plan;
+    std::string           stock_reason; // why the last begin() returned 0 (llama_ridgefill_stock_reason)
     llama_ridgefill_graph cur;
     bool                  graph_active = false;
 

@@ -246,6 +246,10 @@ extern "C" {
     // -1 on error (no RidgeFill attached, a plan in progress, rows out of the context).
     LLAMA_API int32_t llama_ridgefill_begin(struct llama_context * ctx, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end);
 
+    // why the last llama_ridgefill_begin() on ctx returned 0 (the prompt runs stock prefill), in words
+    // for a user; "" after a begin that planned or failed, or without RidgeFill attached
+    LLAMA_API const char * llama_ridgefill_stock_reason(const struct llama_context * ctx);
+
     // fix the exact prefix rows of the current plan (absolute positions in [pos0, pos_end - T)),
     // overriding the selector; before the rows are decoded. Returns 0 or -1.
     LLAMA_API int32_t llama_ridgefill_set_exact(struct llama_context * ctx, const llama_pos * pos, int32_t n);

@@ -506,7 +506,13 @@ def test_refusals_during_prefill(tiny_models, map_files, prompt):
 
         # a prompt longer than the context: llama.cpp's own check, nothing planned
         ctx = llm._ctx.ctx
+        # prompts that run stock prefill say why (llama_ridgefill_stock_reason); a plan or an error clears it
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        assert N.llama_ridgefill_begin(ctx, 0, 0, TAIL) == 0
+        assert N.llama_ridgefill_stock_reason(ctx).decode() == f"{TAIL} new prompt rows, no more than the tail ({TAIL})"
         assert N.llama_ridgefill_begin(ctx, 0, 0, 300) == -1
+        assert N.llama_ridgefill_stock_reason(ctx).decode() == ""
         assert "more than the context size 256" in N.llama_ridgefill_last_error().decode()
         # a batch with rows outside the plan: decode fails, the plan is dropped, its rows removed
         llm.reset()

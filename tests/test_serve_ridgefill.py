@@ -1176,6 +1176,35 @@ def test_props_reports_the_settings_in_force_whatever_happens_to_the_file(tiny_m
         assert props() == want and running(s) == in_force
 
 
+def test_a_prompt_that_reuses_cached_rows_says_how_many_were_filled(tiny_models, tmp_path):
+    """A request whose prompt reuses a slot's cached rows reports them (n_cached) and how many of them an
+    earlier plan filled (n_cached_filled): the same prompt again, and a prompt sharing its first 200 rows,
+    then new rows too few to plan. Its reason says why the new rows ran stock prefill (before: only "no
+    more new prompt rows than the tail", as if the answer came from stock prefill)."""
+    model = tiny_models["llama"]
+    rf = RidgeFill.identity(**TINY_RF)
+    prompt = _prompt(model, 400)
+    other = prompt[:200] + _prompt(model, 11, shift=500)[1:]  # 200 cached rows, then 10 new ones
+    lib = _library(model, prompt, rf)[2]
+    selected = lib["exact_positions"]
+    with Server(model, rf, extra_args=TINY_ARGS, log_path=tmp_path / "s.log", startup_timeout=60) as s:
+        first = _complete(s, prompt, n=1, cache_prompt=True, id_slot=0)["ridgefill"]
+        assert first["applied"] and "n_cached" not in first and first["n_filled"] == lib["n_filled"]
+        again = _complete(s, prompt, n=1, cache_prompt=True, id_slot=0)
+        st = again["ridgefill"]
+        assert not st["applied"] and st["n_cached"] == again["timings"]["cache_n"] == 399
+        assert st["n_cached_filled"] == first["n_filled"]  # every filled row lies before the tail
+        assert st["n_prompt"] == 1 and st["reason"] == "no more new prompt rows than the tail"
+        part = _complete(s, other, n=1, cache_prompt=True, id_slot=0)
+        st = part["ridgefill"]
+        assert st["n_cached"] == part["timings"]["cache_n"] == 200 and st["n_prompt"] == 10
+        assert st["n_cached_filled"] == 200 - sum(p < 200 for p in selected)
+        assert "min-prompt" in st["reason"] or "tail" in st["reason"]
+        # an exact request drops the approximate rows before it looks for a common prefix: none reused
+        exact = _complete(s, prompt, n=1, cache_prompt=True, id_slot=0, ridgefill=False)
+        assert exact["timings"]["cache_n"] == 0 and "n_cached" not in exact["ridgefill"]
+
+
 def settings_name(selector: int) -> str:
     from ridgefill_cpp.core import settings
 

@@ -2,7 +2,8 @@
 selenium; tools/measure/web_ui.py): the page at "/" is the chat UI, a long message typed into it and
 sent gets an answer, and the answer's statistics show what RidgeFill did - rows filled and exact of the
 prompt, the split, prefill time and the ceiling (patches/0010-ui-ridgefill.patch) - with the same
-numbers as the server's own /metrics counters. The UI's Custom JSON setting turns RidgeFill off
+numbers as the server's own /metrics counters; the same message again reuses the cached rows, and the
+line says how many of them RidgeFill filled. The UI's Custom JSON setting turns RidgeFill off
 ({"ridgefill": false}) and the line then says so; a server without RidgeFill shows no RidgeFill line.
 
 Without Chromium, chromedriver or selenium, or with a llama-server built without the UI (no node and
@@ -77,6 +78,16 @@ def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, dr
         after = _metrics(srv)
         assert after["ridgefill_prefills_total"] == 1
         assert (after["ridgefill_rows_filled_total"], after["ridgefill_rows_exact_total"]) == (filled, exact)
+
+        # the same message again: the server reuses the cached rows of the planned prompt, and the line says
+        # so with how many of them were filled, instead of calling the answer's prompt stock prefill
+        repeated = send(drv, url, message)
+        assert repeated.text and repeated.ridgefill_state == "stock", repeated
+        m = re.search(r"([\d,]+) new rows after ([\d,]+) cached rows, ([\d,]+) of them filled by RidgeFill",
+                      repeated.ridgefill)
+        assert m, repeated.ridgefill
+        assert _number(m.group(2)) == n_prompt - _number(m.group(1)) and _number(m.group(3)) == filled
+        assert _metrics(srv)["ridgefill_prefills_total"] == 1
 
         # Settings > Developer > Custom JSON {"ridgefill": false}: exact prefill, and the line says why
         set_custom_json(drv, url, {"ridgefill": False})

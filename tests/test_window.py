@@ -16,6 +16,7 @@ import torch
 from conftest import evaluation_tokens
 from prefill_helpers import ctx_kwargs, last_logits, rel
 from ridgefill_cpp import Llama, RidgeFill  # first: llama_cpp then loads the patched libraries
+import ridgefill_cpp.core.native as N
 from ridgefill_cpp.core.gguf_model import read_model_info
 from ridgefill_cpp.oracle import load_oracle
 from ridgefill_cpp.oracle.fill import fill_forward
@@ -171,9 +172,11 @@ def test_a_sequence_with_cached_rows_plans_while_they_stay(arch, tiny_models):
             assert st["pos0"] == 100 and st["n_prompt"] == 150 and st["window"]["graphs"] == 0
             logits = last_logits(llm)
             llm.eval(tokens[250:700])
-            out[full] = (logits, dict(llm.ridgefill_stats))
+            out[full] = (logits, dict(llm.ridgefill_stats), N.llama_ridgefill_stock_reason(llm._ctx.ctx).decode())
         finally:
             llm.close()
     assert rel(out[False][0], out[True][0]) < TOL_SAME
     assert out[False][1] == {}  # stock prefill: the first new rows attend to rows the cache would drop
-    assert out[True][1]["pos0"] == 250  # a full-size cache keeps them
+    assert out[False][2] == ("450 new prompt rows after cached rows: the window-sized sliding-window cache (256 cells) "
+                             "cannot keep the cached rows they attend to (a full-size cache, swa_full or --swa-full, can)")
+    assert out[True][1]["pos0"] == 250 and out[True][2] == ""  # a full-size cache keeps them

@@ -5,6 +5,7 @@
 #include "ggml.h"
 #include "log.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -17,6 +18,23 @@ static std::string rf_selector_names() {
 static const char * rf_selector_name(int32_t selector) {
     const char * name = llama_ridgefill_selector_name(selector);
     return name != nullptr ? name : "?";
+}
+
+int32_t server_ridgefill_filled::count_before(llama_pos p) const {
+    return (int32_t) (std::lower_bound(pos.begin(), pos.end(), p) - pos.begin());
+}
+
+void server_ridgefill_filled::keep_before(llama_pos p) {
+    pos.resize(count_before(p));
+}
+
+void server_ridgefill_filled::discard(llama_pos p0, int32_t n) {
+    const auto first = std::lower_bound(pos.begin(), pos.end(), p0);
+    const auto last  = std::lower_bound(first, pos.end(), p0 + n);
+    for (auto it = last; it != pos.end(); ++it) {
+        *it -= n;
+    }
+    pos.erase(first, last);
 }
 
 bool server_ridgefill_configured(const common_params_ridgefill & params) {
@@ -262,7 +280,7 @@ static bool rf_same_params(const llama_ridgefill_params & a, const llama_ridgefi
 }
 
 int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end,
-        common_json & stats, std::string & error) {
+        int32_t n_cached, const server_ridgefill_filled & filled, common_json & stats, std::string & error) {
     stats = common_json();
     if (!enabled()) {
         return 0;
@@ -271,6 +289,11 @@ int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_
     stats["requested"] = req.enabled;
     stats["applied"]   = false;
     stats["n_prompt"]  = n_rows;
+    if (n_cached > 0) {
+        // the rows before the new ones came from the slot's cache: those RidgeFill filled are approximate
+        stats["n_cached"]        = n_cached;
+        stats["n_cached_filled"] = filled.count_before(pos0);
+    }
     const llama_ridgefill_params p = params_for(req);
     if (!wants(req, n_rows)) {
         stats["reason"] = !req.enabled ? "exact prefill requested" :
@@ -302,12 +325,14 @@ int32_t server_ridgefill::begin(const server_ridgefill_request & req, llama_seq_
         return -1;
     }
     if (ret == 0) {
-        stats["reason"] = "stock prefill for this prompt";
+        const std::string why = llama_ridgefill_stock_reason(ctx);
+        stats["reason"] = why.empty() ? "stock prefill for this prompt" : why;
     }
     return ret;
 }
 
-void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t & n_filled, int32_t & n_exact) const {
+void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t & n_filled, int32_t & n_exact,
+        server_ridgefill_filled & filled) const {
     llama_ridgefill_stats st = {};
     n_filled = 0;
     n_exact  = 0;
@@ -316,6 +341,19 @@ void server_ridgefill::finish(common_json & stats, double t_prompt_ms, int32_t &
     }
     n_filled = st.n_filled;
     n_exact  = st.n_exact + st.n_tail;
+
+    // the filled rows: the prefix [pos0, pos0 + N - T) but the selected exact rows (ascending)
+    std::vector<llama_pos> selected(std::max(0, st.n_exact));
+    llama_ridgefill_get_exact(ctx, selected.data(), (int32_t) selected.size());
+    filled.keep_before(st.pos0);
+    auto sel = selected.begin();
+    for (llama_pos p = st.pos0; p < st.pos0 + st.n_prompt - st.n_tail; ++p) {
+        if (sel != selected.end() && *sel == p) {
+            ++sel;
+        } else {
+            filled.pos.push_back(p);
+        }
+    }
 
     // the keys of Llama.ridgefill_stats (ridgefill_cpp/core/settings.py), and what only the server knows
     stats["applied"]        = true;

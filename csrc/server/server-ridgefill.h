@@ -39,6 +39,22 @@ struct server_ridgefill_request {
     bool    backend_sampling = false;
 };
 
+// The rows of a slot's cached prompt whose late-layer KV RidgeFill filled, by position (ascending): a
+// later prompt that reuses the cache reports how many of the rows it reused were filled
+// (server_ridgefill::begin). Kept with the prompt as server_prompt::n_exact is.
+struct server_ridgefill_filled {
+    std::vector<llama_pos> pos;
+
+    // filled rows at positions before p
+    int32_t count_before(llama_pos p) const;
+
+    // the cache keeps the rows before position p only
+    void keep_before(llama_pos p);
+
+    // a context shift: the n rows from position p0 leave the cache, the rows after them move down by n
+    void discard(llama_pos p0, int32_t n);
+};
+
 // parse the value of a request's "ridgefill" member: false, true, or an object with any of "tail"
 // (integer >= 1), "exact_fraction" (number in [0, 1]), "selector" (a selector name) and "span"
 // (integer in 1..LLAMA_RIDGEFILL_MAX_SPAN). Throws
@@ -112,13 +128,17 @@ struct server_ridgefill {
 
     // plan the prompt rows [pos0, pos_end) of seq_id with the request's settings (re-attaching
     // RidgeFill when they differ from the attached ones): 1 planned, 0 stock prefill (short prompt,
-    // exact request), -1 error (in error). Fills stats with what a response reports.
+    // exact request, ...: stats["reason"] says why), -1 error (in error). Fills stats with what a
+    // response reports; a prompt that reused n_cached rows of the slot's cache before pos0 (`filled`:
+    // which of them RidgeFill filled) reports n_cached and n_cached_filled.
     int32_t begin(const server_ridgefill_request & req, llama_seq_id seq_id, llama_pos pos0, llama_pos pos_end,
-            common_json & stats, std::string & error);
+            int32_t n_cached, const server_ridgefill_filled & filled, common_json & stats, std::string & error);
 
     // the planned prompt's rows were decoded: adds llama_ridgefill_get_stats() of the finished plan
-    // and the prompt time to stats; returns the filled and exact (selected + tail) row counts
-    void finish(common_json & stats, double t_prompt_ms, int32_t & n_filled, int32_t & n_exact) const;
+    // and the prompt time to stats, and the plan's filled rows to `filled`; returns the filled and
+    // exact (selected + tail) row counts
+    void finish(common_json & stats, double t_prompt_ms, int32_t & n_filled, int32_t & n_exact,
+            server_ridgefill_filled & filled) const;
 
 private:
     llama_ridgefill_params params_for(const server_ridgefill_request & req) const;
