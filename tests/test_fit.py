@@ -176,6 +176,19 @@ def test_mixed_length_windows_on_a_tiny_model(tiny_models, tiny_fit, tmp_path, c
         fit_ridge_maps(path, corpus.default_documents("calibration"), FitOptions(n_tokens=1500, ctx=(64, 1024)))
 
 
+def test_fit_never_replaces_a_model_with_its_maps(cli, tiny_models, tmp_path):
+    """``fit -o OTHER_MODEL.gguf --force`` refused before any work, as ``digest -o``: --force replaces an
+    earlier output, never a GGUF that is not a RidgeFill map file."""
+    import shutil
+
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_models["qwen3"], other)
+    kept = other.read_bytes()
+    r = cli("fit", tiny_models["llama"], "--tokens", 3000, "--ctx", 64, "--split", 3, "-o", other, "--force")
+    assert r.exit_code == 1, r.output
+    assert "is a GGUF model" in " ".join(r.output.split()) and other.read_bytes() == kept
+
+
 def test_too_little_text_says_how_much_is_needed(tiny_models, tmp_path):
     with pytest.raises(FitError, match=r"too little calibration text: \d+ tokens .* at least 65 training rows"):
         fit_ridge_maps(tiny_models["llama"], [corpus.Document("x", "text", "just a few words")], FitOptions(ctx=64))

@@ -125,7 +125,7 @@ def fit(
     for path in outputs:
         if path.resolve() == model.resolve():
             fail("the output path is the model file itself")
-        check_output_file(path, force=force)
+        check_output_file(path, force=force, map_file=True)
     # state gains per split: on for the splits with recurrent layers above them (unless --no-state-gains)
     gain_splits = [] if state_gains is False else [s for s in splits if any(il > s for il in info.recurrent_layers)]
     if state_gains and not gain_splits:
