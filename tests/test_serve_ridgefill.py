@@ -898,6 +898,34 @@ def test_gemma3_window_sized_cache_with_three_slots(tiny_models, tmp_path):
         _assert_same(res, lib)
 
 
+def test_a_shared_pool_lets_prompts_it_will_not_plan_start_as_on_stock(tiny_models, tmp_path):
+    """llama.cpp's own test_completion_unified case: -c 256 -np 4 --kv-unified, a one-token prompt (too short
+    to plan), n_predict 90/90/40/75 sent together - more rows than the pool if none finished, which stock
+    llama-server starts at once. Only a prompt RidgeFill plans (or any prompt while a plan is in progress)
+    waits for room; these start as on stock and are all served in full (before, the last one waited for the
+    first to finish, which changed the company its tokens were sampled in)."""
+    model = tiny_models["llama"]
+    args = ["-c", "256", "-np", "4", "-b", "32", "--threads", "1", "-ngl", "0", "--no-warmup", "--kv-unified", "-v"]
+    n_predict = [90, 90, 40, 75]
+    with Server(model, RidgeFill.identity(**TINY_RF), extra_args=args, log_path=tmp_path / "s.log",
+                startup_timeout=60) as s:
+        results = [None] * 4
+
+        def one(i: int) -> None:
+            results[i] = _post(s.url + "/completion", {"prompt": _prompt(model, 1), "n_predict": n_predict[i],
+                                                       "temperature": 0, "ignore_eos": True})
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (status, res), n in zip(results, n_predict):
+            assert status == 200 and res["timings"]["predicted_n"] == n, (status, res)
+            assert not res["ridgefill"]["applied"]
+        assert "waits for room in the shared KV cache" not in s.log()
+
+
 def test_huge_and_malformed_requests_get_short_400s(tiny):
     huge = "x" * 1_000_000
     status, body = _post_raw(tiny.url + "/completion",
