@@ -47,6 +47,10 @@ EXPECTED = {
     r"nocache_long_input|context_size_exceeded": (
         "text and probabilities of approximate prefill: a planned prompt's late-layer KV is filled, so its "
         "tokens and probabilities differ from exact prefill (by design)"),
+    r"::test_completion_unified\[": (
+        "chance, on stock too: four requests sampled at temperature 0.8 in parallel; whether one samples an EOS "
+        "before its n_predict depends on the company its tokens are decoded in (on SmolLM2-135M, 2 threads: "
+        "5 of 8 fresh stock servers and 6 of 8 RidgeFill servers returned 89 tokens for one request of 90)"),
 }
 
 
