@@ -13,7 +13,7 @@ from ridgefill_cpp.maps import mapfile
 from ridgefill_cpp.fitting.capture import open_model
 from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps
 from ridgefill_cpp.maps.mapfile import MapFileError, read_map_file, write_map_file
-from ridgefill_cpp.runtime.native_maps import NativeMaps
+from ridgefill_cpp.runtime.native_maps import NativeMaps, UndigestedMapsWarning
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,8 @@ def test_loader_checks_each_tensors_digest(llm, fitted, tmp_path, monkeypatch):
                         model_path=model_path)
     monkeypatch.setenv("LLAMA_RIDGEFILL_ALLOW_UNDIGESTED", "1")
     with captured_log() as log:
-        with NativeMaps(llm._model.model, old, model_path=model_path) as m:
+        with pytest.warns(UndigestedMapsWarning, match="loaded only because LLAMA_RIDGEFILL_ALLOW_UNDIGESTED is set"), \
+                NativeMaps(llm._model.model, old, model_path=model_path) as m:
             assert not m.digest_checked
     assert any("has no content digest (ridgefill.digest.xxh64), loaded unchecked" in line for line in log), log
 
@@ -358,6 +359,7 @@ def test_an_undigested_map_file_is_refused_everywhere_until_digest_gives_it_one(
     # the opt-in: loads unchecked, the model's own output unchanged by the choice
     old2 = without_digest(f16, tmp_path / "old2.gguf")
     monkeypatch.setenv("LLAMA_RIDGEFILL_ALLOW_UNDIGESTED", "1")
-    llm = Llama(str(model_path), n_ctx=256, verbose=False, ridgefill=RidgeFill(old2, min_prompt=8))
+    with pytest.warns(UndigestedMapsWarning, match="no content digest"):
+        llm = Llama(str(model_path), n_ctx=256, verbose=False, ridgefill=RidgeFill(old2, min_prompt=8))
     assert llm._rf_maps.digest_checked is False
     llm.close()
