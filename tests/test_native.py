@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import fetch_llama_cpp
+import pytest
 
 import ridgefill_cpp
 
@@ -91,9 +92,67 @@ def test_capture_hooks_do_not_change_the_numerics(smollm2_path):
     assert np.array_equal(cap.logits, stock)
 
 
-def test_cli_models_lists_the_default_models(cli, smollm2_path, gemma3_path):
+def test_cli_models_lists_the_real_models(cli, smollm2_path, gemma3_path, qwen05_path, monkeypatch):
+    """All four, with size, licence and use; the default set (what `make setup` installs) is installed,
+    the 1.5B is installed on request only, by name."""
+    from ridgefill_cpp.cli.app import out
+    from ridgefill_cpp.core import models
+
+    monkeypatch.setattr(out, "width", 400)  # one line a model: no cell folded
     res = cli("models")
     assert res.exit_code == 0, res.output
-    for text in ("smollm2-135m", "gemma3-270m", "Apache-2.0", "Gemma Terms"):
-        assert text in res.output, text
-    assert "not installed" not in res.output
+    rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 2}
+    assert set(rows) == set(models.MODELS), res.output
+    for name, spec in models.MODELS.items():
+        for cell in (spec.description, spec.licence, spec.purpose, f"{spec.size / 1e6:,.0f} MB"):
+            assert cell in rows[name], (name, cell)
+    assert [n for n, spec in models.MODELS.items() if not spec.default] == ["qwen2.5-coder-1.5b"]
+    for name in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"):
+        assert str(models.available(name)) in rows[name]
+    assert ("not installed (--install qwen2.5-coder-1.5b)" in rows["qwen2.5-coder-1.5b"]) == \
+        (models.available("qwen2.5-coder-1.5b") is None)
+    # names are for --install, and only known ones
+    res = cli("models", "qwen2.5-coder-0.5b")
+    assert res.exit_code == 1 and "naming models is for --install" in res.output, res.output
+    res = cli("models", "--install", "qwen2.5-coder-3b")
+    assert res.exit_code == 1 and "unknown model 'qwen2.5-coder-3b'" in res.output, res.output
+
+
+def test_installed_models_are_the_recorded_files(smollm2_path, gemma3_path, qwen05_path):
+    """Each installed model file has the size and sha256 recorded in its spec; the Qwen parts follow the
+    packages' layout (<import name>/data/partNN.bin)."""
+    from ridgefill_cpp.core import models
+
+    for name, path in (("smollm2-135m", smollm2_path), ("gemma3-270m", gemma3_path), ("qwen2.5-coder-0.5b", qwen05_path)):
+        spec = models.MODELS[name]
+        assert path.stat().st_size == spec.size, name
+        assert models.verify(name) == path
+    for name, n_parts in (("qwen2.5-coder-0.5b", 6), ("qwen2.5-coder-1.5b", 22)):
+        spec = models.MODELS[name]
+        assert len(spec.parts) == len(spec.distributions) == n_parts
+        assert spec.parts[-1][1] == f"data/part{n_parts:02d}.bin"
+
+
+def test_assembling_parts_is_atomic_and_checked(tmp_path, monkeypatch):
+    """Parts are concatenated into the cache atomically: a wrong sha256 leaves nothing behind (an earlier
+    good file stays), the right one gives the file."""
+    import hashlib
+
+    from ridgefill_cpp.core import models
+
+    monkeypatch.setenv("RIDGEFILL_CACHE", str(tmp_path / "cache"))
+    parts = []
+    for i, data in enumerate((b"GGUF" + b"a" * 100, b"b" * 50)):
+        parts.append(tmp_path / f"part{i + 1:02d}.bin")
+        parts[-1].write_bytes(data)
+    whole = b"GGUF" + b"a" * 100 + b"b" * 50
+    good = models.ModelSpec("x", "x", "x", (), hashlib.sha256(whole).hexdigest(), assembled_name="x.gguf")
+    bad = models.ModelSpec("x", "x", "x", (), "0" * 64, assembled_name="x.gguf")
+    with pytest.raises(models.ModelUnavailableError, match="assembled file has sha256"):
+        models._assemble(bad, parts)
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+    target = models._assemble(good, parts)
+    assert target.read_bytes() == whole and target == tmp_path / "cache" / "models" / "x.gguf"
+    with pytest.raises(models.ModelUnavailableError):
+        models._assemble(bad, parts)
+    assert target.read_bytes() == whole and sorted(p.name for p in target.parent.iterdir()) == ["x.gguf"]

