@@ -52,6 +52,11 @@ def test_benchmark_runs_side_by_side(tiny_models, cli, tmp_path):
     r = 3 / 6 + (1 - 3 / 6) * (8 + 9) / 96  # S/L + (1 - S/L)(T + |E|)/N, |E| = ceil(0.1 * 88)
     assert res.ceiling[96] == pytest.approx(1 / r, rel=1e-6)
     assert res.kl["identity"][96] > 0
+    # the figures beside the speedup (their values are this machine's noise: only their definitions are checked)
+    assert res.tokens_per_s(96) == pytest.approx(96 / res.median("stock", 96))
+    assert res.spread("identity", 96) == pytest.approx(max(res.times["identity"][96]) / min(res.times["identity"][96]) - 1)
+    assert res.ceiling_of("stock", 96) is None and res.ceiling_of("identity", 96) == res.ceiling[96]
+    assert res.ceiling_of("first 3 layers", 96) == 2.0  # no plan: the compute ceiling L/S
 
     out = tmp_path / "bench.json"
     r = cli("bench", tiny_models["llama"], "--lengths", "40,80", "--repeats", 1, "--threads", 1, "--json", out,
@@ -62,6 +67,9 @@ def test_benchmark_runs_side_by_side(tiny_models, cli, tmp_path):
     assert set(d["times"]) == {"stock", "identity", "first 4 layers"}
     assert d["summary"][0]["ceiling"] == 1.0 and d["summary"][1]["ceiling"] > 1.0
     assert "ceiling" in r.output and "quality against stock" in r.output and "min-prompt" in r.output
+    assert all(row["tokens_per_s[stock]"] > 0 and row["spread[stock]"] is None for row in d["summary"])
+    assert isinstance(d["timing_warnings"], list) and len(d["timing_notes"]) == 1
+    assert "a single repeat cannot show noise" in " ".join(r.output.split())
 
 
 def test_benchmark_with_maps(tiny_models, cli, tmp_path):
@@ -397,3 +405,94 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     tmp = Path(next(line for line in run.stdout.splitlines() if line.startswith("gpu-run: model files in ")).split(" in ", 1)[1])
     assert all(f"gpu-run: {name}: " in run.stdout for name in ("8b-dense-32", "8b-dense-12", "9b-hybrid-12"))
     assert not tmp.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# when a timing cannot be trusted (issue #53): a speedup above its ceiling, repeats far apart
+
+
+def test_timing_warnings_on_hand_made_timings():
+    from ridgefill_cpp.quality.bench import SPREAD_LIMIT, spread, timing_warnings
+
+    assert SPREAD_LIMIT == 1.10
+    # the issue's run: stock's two repeats 151 s and 97 s, RidgeFill 1.85x against a ceiling of 1.40x
+    ws = timing_warnings({"stock": [151.0, 97.0], "ridgefill": [67.0, 67.2]}, {"ridgefill": 1.40}, n_prompt=4096)
+    assert [(w["variant"], w["kind"]) for w in ws] == [("stock", "spread"), ("ridgefill", "above ceiling")]
+    assert ws[0]["spread"] == pytest.approx(151 / 97 - 1) and (ws[0]["min_s"], ws[0]["max_s"]) == (97.0, 151.0)
+    assert ws[1]["speedup"] == pytest.approx(124 / 67.1) and ws[1]["ceiling"] == 1.40
+    assert ws[0]["message"].startswith("4096 tokens, stock: its 2 repeats differ by 56 % (97 s to 151 s")
+    assert "1.85x is above its ceiling 1.40x" in ws[1]["message"]
+    for w in ws:
+        assert "more --repeats" in w["message"] and "quieter machine (nothing else running)" in w["message"]
+    # 100 s and 105 s: 5 % apart, under the ceiling: nothing to say
+    assert timing_warnings({"stock": [100.0, 105.0], "ridgefill": [80.0, 81.0]}, {"ridgefill": 1.40}) == []
+    # 10 % is the limit, not past it; 11 % is
+    assert timing_warnings({"stock": [100.0, 110.0]}, {}) == []
+    assert [w["kind"] for w in timing_warnings({"stock": [100.0, 111.0]}, {})] == ["spread"]
+    # one repeat: its spread is unknown, never a spread warning; the ceiling still holds
+    assert spread([97.0]) is None and spread([100.0, 105.0]) == pytest.approx(0.05)
+    ws = timing_warnings({"stock": [151.0], "ridgefill": [60.0]}, {"ridgefill": 1.40})
+    assert [(w["variant"], w["kind"]) for w in ws] == [("ridgefill", "above ceiling")]
+    assert timing_warnings({"stock": [151.0], "ridgefill": [120.0]}, {"ridgefill": 1.40}) == []
+    # the ceiling as printed: 1.401x against 1.40x is not above it; no ceiling (None, or the base): no rule
+    assert timing_warnings({"stock": [140.1], "ridgefill": [100.0]}, {"ridgefill": 1.40}) == []
+    assert timing_warnings({"stock": [300.0], "x": [100.0]}, {"x": None, "stock": 0.5}) == []
+    # times that are not repeats of one prompt (eval's, tune's documents): only the ceiling rule
+    ws = timing_warnings({"exact": [2.0, 1.0], "ridge": [0.5, 1.5]}, {"ridge": 1.2}, base="exact", repeats=False,
+                         more=None)
+    assert [(w["variant"], w["kind"]) for w in ws] == [("ridge", "above ceiling")]
+    assert "more" not in ws[0]["message"] and "Run again on a quieter machine" in ws[0]["message"]
+
+
+def _fake_bench(tiny, repeats: int):
+    """A BenchResult with the issue's timings at 4096 tokens and quiet ones at 2048 (nothing measured)."""
+    from ridgefill_cpp.quality.bench import BenchResult
+
+    times = ({"stock": {2048: [100.0, 105.0], 4096: [151.0, 97.0]}, "identity": {2048: [80.0, 82.0], 4096: [66.0, 67.0]}}
+             if repeats == 2 else {"stock": {2048: [100.0], 4096: [151.0]}, "identity": {2048: [80.0], 4096: [66.0]}})
+    return BenchResult(model=str(tiny), n_layer=30, split=20, tail=64, exact_fraction=0.1, selector="attention",
+                       min_prompt=1024, maps=None, threads=None, n_batch=512, repeats=repeats, lengths=[2048, 4096],
+                       times=times, ceiling={2048: 1.40, 4096: 1.40}, kl={"identity": {2048: 0.01, 4096: 0.02}},
+                       greedy_agree={"identity": {2048: 8, 4096: 8}}, greedy_tokens=8)
+
+
+def test_bench_says_when_a_timing_is_noise(cli, tiny_models, tmp_path, monkeypatch):
+    """bench's table shows stock's tokens/s and each variant's spread of repeats; a speedup above its
+    ceiling and repeats more than 10 % apart are warned of below it and listed in the JSON (the timings
+    are the issue's, made by hand: nothing is timed here)."""
+    from ridgefill_cpp.cli.app import out as console
+    from ridgefill_cpp.quality import bench
+
+    tiny = tiny_models["llama"]
+    monkeypatch.setattr(console, "width", 250)  # a table row on one line
+    for repeats in (2, 1):
+        monkeypatch.setattr(bench, "benchmark_prefill", lambda model, **kw: _fake_bench(tiny, repeats))
+        path = tmp_path / f"bench{repeats}.json"
+        r = cli("bench", tiny, "--lengths", "2048,4096", "--repeats", repeats, "--json", path)
+        assert r.exit_code == 0, r.output
+        text = " ".join(r.output.split())
+        d = json.loads(path.read_text())
+        assert "stock tokens/s" in r.output
+        assert [row["tokens_per_s[stock]"] for row in d["summary"]] == pytest.approx(
+            [2048 / (102.5 if repeats == 2 else 100.0), 4096 / (124.0 if repeats == 2 else 151.0)])
+        speedup = "1.86x" if repeats == 2 else "2.29x"  # 124 s / 66.5 s, 151 s / 66 s
+        assert (f"warning: 4096 tokens, identity: the speedup {speedup} is above its ceiling 1.40x, which no prefill "
+                "reaches: the timing is noise, not a speedup. Run again with more --repeats, on a quieter machine "
+                "(nothing else running).") in text
+        assert "2048 tokens" not in text  # 1.27x (2 repeats) and 1.25x (1), under 1.40x; 5 % and 2.5 % apart
+        if repeats == 2:
+            assert "│ 4096 │ 124000 ms (56 %) │ 33 │ 66500 ms (2 %) │ 1.86x │ 1.40x │ 1.33 │" in text
+            assert "│ 2048 │ 102500 ms (5 %) │ 20 │ 81000 ms (2 %) │ 1.27x │ 1.40x │ 0.90 │" in text
+            assert ("warning: 4096 tokens, stock: its 2 repeats differ by 56 % (97 s to 151 s; more than 10 %): "
+                    "its median is noisy. Run again with more --repeats, on a quieter machine (nothing else running).") in text
+            assert [(w["n_prompt"], w["variant"], w["kind"]) for w in d["timing_warnings"]] == [
+                (4096, "stock", "spread"), (4096, "identity", "above ceiling")]
+            assert d["summary"][1]["spread[stock]"] == pytest.approx(151 / 97 - 1)
+            assert d["summary"][0]["spread[identity]"] == pytest.approx(82 / 80 - 1)
+            assert d["timing_notes"] == [] and "one repeat" not in text
+        else:
+            assert "│ 4096 │ 151000 ms │ 27 │ 66000 ms │ 2.29x │ 1.40x │ 1.63 │" in text
+            assert [(w["variant"], w["kind"]) for w in d["timing_warnings"]] == [("identity", "above ceiling")]
+            assert d["summary"][1]["spread[stock]"] is None and "repeats differ" not in text
+            assert ("one repeat: the spread of the times is unknown (a single repeat cannot show noise); use "
+                    "--repeats 3 or more to see it") in text and d["timing_notes"] == [bench.SINGLE_REPEAT_NOTE]

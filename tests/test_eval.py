@@ -259,3 +259,39 @@ def test_an_empty_text_option_is_named_by_its_use(tiny_models, tiny_maps, cli, t
         said = " ".join(r.output.split())
         assert r.exit_code == 1 and said == f"error: no {what} found in {empty} (all empty?)", (args, r.output)
     assert not (tmp_path / "x").exists() and not (tmp_path / "m.gguf").exists()
+
+
+def test_eval_warns_of_a_speed_above_its_ceiling(tiny_models, tiny_maps, cli, tmp_path, monkeypatch):
+    """A speed above the plan's ceiling 1/r is noise (issue #53): eval says so below its table, in
+    report.md and in results.json. The timing source is faked (exact prefill 2 s, RidgeFill 0.5 s:
+    4x against a ceiling below L/S = 1.5); the documents are timed once each, so their spread is
+    never judged."""
+    from ridgefill_cpp.cli.app import out as console
+    from ridgefill_cpp.quality import evaluate as ev
+
+    real = ev.timed_prefill
+
+    def fake(llm, rf, tokens, n_logits):
+        logits, _ = real(llm, rf, tokens, n_logits)
+        return logits, 2.0 if rf is None else 0.5
+
+    monkeypatch.setattr(ev, "timed_prefill", fake)
+    monkeypatch.setattr(console, "width", 250)
+    out = tmp_path / "r"
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps[0], "--quick", "--lengths", "512", "--docs", 2,
+            "--depths", "0.5", "--retrieval-prompts", 1, "--threads", 1, "--out", out)
+    assert r.exit_code == 0, r.output
+    d = json.loads((out / "results.json").read_text())
+    ceiling = d["plans"]["512"]["ridge"]["ceiling"]
+    assert 1.0 < ceiling < 1.5
+    warned = {w["variant"]: w for w in d["timing_warnings"]}
+    # every fill variant, the splice variants with plain ridge's ceiling; never exact, never a spread
+    assert set(warned) == {"ridge", "identity", "ridge, exact K", "ridge, exact V"}
+    assert all(w["kind"] == "above ceiling" and w["speedup"] == 4.0 and w["n_prompt"] == 512 for w in warned.values())
+    assert warned["ridge, exact K"]["ceiling"] == ceiling
+    message = (f"512 tokens, ridge: the speedup 4.00x is above its ceiling {ceiling:.2f}x, which no prefill reaches: "
+               "the timing is noise, not a speedup. Run again on a quieter machine (nothing else running).")
+    assert warned["ridge"]["message"] == message
+    assert f"warning: {message}" in " ".join(r.output.split())
+    md = (out / "report.md").read_text()
+    assert f"> **Warning:** {message}" in md and "is noise (another load on the machine) and is flagged" in md

@@ -215,6 +215,29 @@ def test_summary_pairs_scores_and_finds_the_cell_it_loses_most_in():
     assert list(res.by_depth["4096"]) == ["0.0-0.2", "0.8-1.0"]
 
 
+def test_a_ttft_ratio_above_its_ceiling_is_warned_of():
+    """eval --ruler's TTFT ratio above the mean ceiling of its prompts is noise (issue #53): summarise
+    records it, ruler.md says it; prompts timed once each, so a wide spread alone is not judged."""
+    from ridgefill_cpp.quality.ruler_report import markdown
+
+    recs = [_record("niah_single_1", 0.5, 1.0, 1.0, i) for i in range(3)]
+    for rec, (exact_s, ridge_s, identity_s) in zip(recs, [(2.0, 1.0, 1.6), (6.0, 1.1, 1.7), (2.2, 0.9, 1.5)]):
+        rec["outputs"]["exact"]["prefill_s"] = exact_s  # 2 s to 6 s: no warning for that
+        rec["outputs"]["ridge"] = {"text": "", "score": 1.0, "prefill_s": ridge_s, "plan": {"ceiling": 1.5}}
+        rec["outputs"]["identity"] = {"text": "", "score": 1.0, "prefill_s": identity_s, "plan": {"ceiling": 1.5}}
+    conds = {n: {"kind": n, "maps": None, "split": 4, "settings": None} for n in ("exact", "ridge", "identity")}
+    res = ruler.RulerResult(model="m.gguf", conditions=conds, options={"tasks": ["niah_single_1"], "samples": 3},
+                            template="base", sources=[], deviations=[], samples=recs)
+    ruler.summarise(res, n_boot=200)
+    assert res.ttft["4096"]["ridge"] == pytest.approx(2.2) and res.ttft["4096"]["identity"] == pytest.approx(2.2 / 1.6)
+    (w,) = res.timing_warnings["4096"]  # identity's 1.38x is under 1.5x
+    assert (w["variant"], w["kind"], w["ceiling"]) == ("ridge", "above ceiling", 1.5)
+    message = ("4096 tokens, ridge: the speedup 2.20x is above its ceiling 1.50x, which no prefill reaches: the "
+               "timing is noise, not a speedup. Run again on a quieter machine (nothing else running).")
+    assert w["message"] == message and f"> **Warning:** {message}" in markdown(res)
+    assert ruler.RulerResult(**json.loads(json.dumps(res.as_dict()))).timing_warnings == res.timing_warnings
+
+
 # ------------------------------------------------------------------------------------------------
 # end to end on a tiny model
 

@@ -731,3 +731,37 @@ def test_cli_tune_fit_checks_its_splits_before_any_output_or_work(tiny_models, f
         assert r.exit_code == 1 and said.startswith(f"error: --fit: {why}"), (spec, r.output)
         assert "fitting" not in said and "using" not in said and "tuning" not in said, (spec, r.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.S4.ridgefill.gguf", "tiny.gguf"]
+
+
+def test_cli_tune_warns_of_a_speedup_above_its_ceiling(tiny_models, fitted, cli, tmp_path, monkeypatch):
+    """A setting's speedup above its ceiling 1/r is noise (issue #53): tune says so below its table, in
+    tune.md and tune.json, and with --json on stderr beside the JSON. The timing source is faked:
+    exact prefill 2 s, f = 0 0.5 s (4x against a ceiling of 1.48x), f = 0.5 1.9 s (1.05x, under 1.19x)."""
+    import ridgefill_cpp.quality.tune as tune_mod
+    from ridgefill_cpp.cli.app import out as console
+
+    real = tune_mod.timed_prefill
+
+    def fake(llm, rf, tokens, n_logits):
+        logits, _ = real(llm, rf, tokens, n_logits)
+        return logits, 2.0 if rf is None else 0.5 if rf.exact_fraction == 0 else 1.9
+
+    monkeypatch.setattr(tune_mod, "timed_prefill", fake)
+    monkeypatch.setattr(console, "width", 250)
+    (path,) = _copies(fitted, tmp_path, splits=(4,))
+    grid = ("--tails", 8, "--fractions", "0,0.5", "--length", 256, "--docs", 2, "--threads", 1, "--retrieval-prompts", 0)
+    r = cli("tune", tiny_models["llama"], "--maps", path, "--budget", 10, *grid, "--dry-run", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    d = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert [p["speedup"] for p in d["points"]] == [4.0, pytest.approx(2 / 1.9)]
+    (w,) = d["timing_warnings"]
+    assert (w["variant"], w["kind"], w["n_prompt"]) == ("S=4 T=8 f=0 w=16", "above ceiling", 256)
+    assert w["ceiling"] == pytest.approx(d["points"][0]["ceiling"]) and 1.0 < w["ceiling"] < 1.5
+    message = (f"256 tokens, S=4 T=8 f=0 w=16: the speedup 4.00x is above its ceiling {w['ceiling']:.2f}x, which no "
+               "prefill reaches: the timing is noise, not a speedup. Run again on a quieter machine (nothing else running).")
+    assert w["message"] == message and f"warning: {message}" in " ".join(r.output.split())
+    assert f"> **Warning:** {message}" in (tmp_path / "out" / "tune.md").read_text()
+    r = cli("tune", tiny_models["llama"], "--maps", path, "--budget", 10, *grid, "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["timing_warnings"][0]["message"] == message
+    assert f"warning: {message}" in " ".join(r.stderr.split())

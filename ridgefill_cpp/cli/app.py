@@ -51,6 +51,15 @@ def fail(msg: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def print_timing_warnings(warnings: list[dict], console: Console = out) -> None:
+    """The warnings of :func:`ridgefill_cpp.quality.bench.timing_warnings` (a speedup that is noise),
+    one a line, below the table that shows the speedups."""
+    from rich.text import Text
+
+    for w in warnings:
+        console.print(Text.assemble(("warning: ", "bold yellow"), w["message"]))
+
+
 def check_output_file(path: Path, *, force: bool = True, map_file: bool = False) -> None:
     """An output file, checked before the work starts: a regular file or nothing there (never a
     symlink, FIFO or device), not there unless ``force``, in a writable directory. With ``map_file``

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..core import settings
 from ..core.limits import MAX_THREADS
 from .app import (CLASS_NAMES, SELECTOR_NAMES, app, check_output_file, check_prefill_args, csv, err, fail,
-                  given_options, out, resolve_operating_point, tuned_help)
+                  given_options, out, print_timing_warnings, resolve_operating_point, tuned_help)
 
 
 @app.command("bench")
@@ -38,12 +38,14 @@ def bench(
 ) -> None:
     """Time prefill side by side in one process, alternated and repeated: stock against RidgeFill with
     the ridge maps (--maps) and with identity fill at the same S, T and selector. Prints per prompt
-    length the median times, the speedup, the ceiling 1/r of docs/design.md §4 and speedup / ceiling, then
-    the quality of each fill against stock on the same prompt (last-token KL, greedy agreement).
-    Ratios are the figure; absolute times on a shared machine are noise."""
+    length the median times (with how far the repeats lie apart), stock's tokens/s, the speedup, the
+    ceiling 1/r of docs/design.md §4 and speedup / ceiling, then the quality of each fill against
+    stock on the same prompt (last-token KL, greedy agreement). Ratios are the figure; absolute times
+    on a shared machine are noise. A warning says when a figure is noise: a speedup above its
+    ceiling, or a variant's repeats more than 10 % apart."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    from ..quality.bench import RIDGEFILL, STOCK, benchmark_prefill
+    from ..quality.bench import RIDGEFILL, SINGLE_REPEAT_NOTE, STOCK, benchmark_prefill
     from ..maps.mapfile import MapFileError
 
     tail, exact_fraction, selector, key_rescale = resolve_operating_point(maps, tail, exact_fraction, selector, key_rescale)
@@ -66,20 +68,35 @@ def bench(
     fills = list(res.kl)
     t = Table(title=f"prefill, {Path(res.model).name}: L = {res.n_layer}, S = {res.split}, T = {res.tail}, "
                     f"exact {res.exact_fraction:g} ({res.selector})"
-                    + (f", key rescale c_K = {res.key_rescale}" if res.key_rescale else "") + f", median of {res.repeats}")
+                    + (f", key rescale c_K = {res.key_rescale}" if res.key_rescale else "") + f", median of {res.repeats}",
+              caption=("(n %): how far a variant's repeats lie apart, slowest / fastest − 1" if res.repeats > 1 else None))
     t.add_column("prompt", justify="right")
     for v in res.variants:
         t.add_column(v, justify="right")
+        if v == STOCK:
+            t.add_column("stock tokens/s", justify="right")
     for v in others:
         t.add_column(f"speedup {v}", justify="right")
     t.add_column("ceiling 1/r", justify="right")
     t.add_column(f"{main} / ceiling", justify="right")
+
+    def timed(v: str, n: int) -> str:
+        s = res.spread(v, n)
+        return f"{res.median(v, n) * 1e3:.0f} ms" + ("" if s is None else f" ({100 * s:.0f} %)")
+
     for n in res.lengths:
         ceiling = res.ceiling.get(n, res.compute_ceiling)
-        t.add_row(str(n), *[f"{res.median(v, n) * 1e3:.0f} ms" for v in res.variants],
-                  *[f"{res.speedup(v, n):.2f}x" for v in others], f"{ceiling:.2f}x",
+        cells = []
+        for v in res.variants:
+            cells.append(timed(v, n))
+            if v == STOCK:
+                cells.append(f"{res.tokens_per_s(n):.0f}")
+        t.add_row(str(n), *cells, *[f"{res.speedup(v, n):.2f}x" for v in others], f"{ceiling:.2f}x",
                   f"{res.speedup(main, n) / ceiling:.2f}")
     out.print(t)
+    print_timing_warnings(res.timing_warnings())
+    if res.repeats < 2:
+        out.print(SINGLE_REPEAT_NOTE, highlight=False)
     if fills:
         q = Table(title=f"quality against stock on the same prompts (greedy: {res.greedy_tokens} tokens)")
         q.add_column("prompt", justify="right")

@@ -12,7 +12,8 @@ from rich.table import Table
 from ..core import settings
 from ..core.limits import MAX_THREADS
 from .app import (SELECTOR_NAMES, app, check_output_dir, check_prefill_args, csv, err, fail,
-                  given_options, number_list, out, read_text_option, resolve_operating_point, tuned_help)
+                  given_options, number_list, out, print_timing_warnings, read_text_option,
+                  resolve_operating_point, tuned_help)
 
 T = TypeVar("T")
 
@@ -93,6 +94,7 @@ def eval_cmd(
             cell = lambda m: ci_text(row.get(m) and row[m]["delta"], bound_fmt="{:+.3f}")  # noqa: E731
             t.add_row(v, cell("novel"), cell("key"), cell("all"), f"{res.ttft_ratio(int(n), v):.2f}x")
         out.print(t)
+        print_timing_warnings([w for w in res.timing_warnings() if str(w["n_prompt"]) == n])
     for n, r in res.retrieval.items():
         t = Table(title=f"{Path(res.model).name}, {n}-token prompts: filled-region retrieval ({len(r['exact']['answers'])} prompts)")
         for col in ("condition", "accuracy", "kept (of exact's)"):
@@ -146,6 +148,7 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
             t.add_row(name, f"{a['score']['estimate']:.1f}", score_ci(a["delta"], signed=True) if name != "exact" else "—",
                       f"{a['same_answer']:.0%}", f"{res.ttft[n][name]:.2f}x")
         out.print(t)
+        print_timing_warnings(res.timing_warnings.get(n, []))
     out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
 
 

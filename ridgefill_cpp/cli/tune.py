@@ -12,7 +12,7 @@ from rich.table import Table
 from ..core import settings
 from ..core.limits import MAX_THREADS
 from .app import (SELECTOR_NAMES, app, check_output_dir, csv, err, fail,
-                  given_options, number_list, out, read_text_option)
+                  given_options, number_list, out, print_timing_warnings, read_text_option)
 
 
 @app.command("tune")
@@ -112,6 +112,7 @@ def tune_cmd(
     if as_json:
         d = res.as_dict()
         d["error"] = failure
+        print_timing_warnings(d["timing_warnings"], err)  # on stderr: stdout is the JSON
         print(json.dumps(d, indent=2, allow_nan=False))
     if failure:
         if paths and not as_json:
@@ -232,3 +233,4 @@ def _show_tune(res) -> None:
                   "yes" if p.feasible else "no", "●" if p.on_front else "",
                   style="bold green" if i == res.chosen else None)
     out.print(t)
+    print_timing_warnings(res.timing_warnings())

@@ -18,6 +18,10 @@ Next to the time, each fill variant's quality on the same prompt: the KL diverge
 next-token distribution from stock's, and how many of a short greedy continuation's tokens agree
 with stock's (in order, up to the first difference).
 
+A figure that cannot be trusted is said so (:func:`timing_warnings`, also used by ``eval`` and
+``tune``): a speedup above its ceiling, which no prefill reaches, or repeats of one variant that
+differ by more than 10 % (max / min > :data:`SPREAD_LIMIT`) are noise, e.g. another job on the machine.
+
 The library never prints; ``progress(done, total)`` reports evaluations.
 """
 
@@ -46,6 +50,68 @@ from ..runtime.prefill import RidgeFill
 STOCK = "stock"
 RIDGEFILL = "ridgefill"
 IDENTITY = "identity"
+
+#: repeats of one variant whose slowest is more than this times its fastest make its median noisy
+SPREAD_LIMIT = 1.10
+#: what to say when a variant was timed once: its spread is unknown
+SINGLE_REPEAT_NOTE = ("one repeat: the spread of the times is unknown (a single repeat cannot show noise); "
+                      "use --repeats 3 or more to see it")
+QUIET = "on a quieter machine (nothing else running)"
+
+
+def spread(times: Sequence[float]) -> float | None:
+    """How far a variant's repeats lie apart: max / min − 1 (0.05: the slowest took 5 % longer than
+    the fastest); None with fewer than two, whose spread is unknown."""
+    ts = [float(t) for t in times]
+    if len(ts) < 2:
+        return None
+    return max(ts) / min(ts) - 1.0 if min(ts) > 0 else float("inf")
+
+
+def timing_warnings(times: Mapping[str, Sequence[float]], ceilings: Mapping[str, float | None], *,
+                    base: str = STOCK, n_prompt: int | None = None, repeats: bool = True,
+                    more: str | None = "--repeats") -> list[dict]:
+    """Whether the speedups of one measurement can be trusted (pure: the same numbers, the same
+    answer). ``times``: variant -> the seconds of each timing, ``base`` among them (the speedup of a
+    variant is the median of ``base``'s over the median of its own, as reported); ``ceilings``:
+    variant -> the most its speedup can be (the plan's 1/r, or L/S for the first S layers; a variant
+    left out or None has none).
+
+    Two rules, each a warning: a speedup above its ceiling (compared as printed, to two decimals),
+    which no prefill reaches, and, when the timings are ``repeats`` of one prompt, a variant whose
+    slowest repeat took more than :data:`SPREAD_LIMIT` times its fastest. A single repeat gives no
+    spread warning (its spread is unknown: :data:`SINGLE_REPEAT_NOTE`). Either means the machine
+    was not quiet (another job, a frequency change) and the ratio is noise. ``more``: the option that
+    adds timings, named in the advice (None: none).
+
+    Returns one dict per warning, in the order of ``times``: ``n_prompt``, ``variant``, ``kind``
+    (``"above ceiling"`` or ``"spread"``), the figures (``speedup`` and ``ceiling``, or ``spread`` and
+    ``min_s``, ``max_s``, ``repeats``) and a ``message`` that says it all."""
+    where = f"{n_prompt} tokens, " if n_prompt is not None else ""
+    advice = f"Run again with more {more}, {QUIET}." if more else f"Run again {QUIET}."
+    out: list[dict] = []
+    base_median = statistics.median(times[base]) if times.get(base) else None
+    for v, ts in times.items():
+        ceiling = ceilings.get(v)
+        if v != base and ceiling is not None and base_median is not None and ts:
+            speedup = base_median / statistics.median(ts)
+            if round(speedup, 2) > round(float(ceiling), 2):
+                out.append({"n_prompt": n_prompt, "variant": v, "kind": "above ceiling", "speedup": speedup,
+                            "ceiling": float(ceiling),
+                            "message": f"{where}{v}: the speedup {speedup:.2f}x is above its ceiling {ceiling:.2f}x, "
+                                       f"which no prefill reaches: the timing is noise, not a speedup. {advice}"})
+        s = spread(ts) if repeats else None
+        if s is not None and s + 1.0 > SPREAD_LIMIT:
+            out.append({"n_prompt": n_prompt, "variant": v, "kind": "spread", "spread": s, "min_s": min(ts),
+                        "max_s": max(ts), "repeats": len(ts),
+                        "message": f"{where}{v}: its {len(ts)} repeats differ by {100 * s:.0f} % "
+                                   f"({_seconds(min(ts))} to {_seconds(max(ts))}; more than "
+                                   f"{100 * (SPREAD_LIMIT - 1):.0f} %): its median is noisy. {advice}"})
+    return out
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
 @dataclass
@@ -79,6 +145,29 @@ class BenchResult:
     def speedup(self, variant: str, n: int, base: str = STOCK) -> float:
         return self.median(base, n) / self.median(variant, n)
 
+    def tokens_per_s(self, n: int, variant: str = STOCK) -> float:
+        """Prompt tokens per second of a variant's median prefill (stock's: what this machine does)."""
+        return n / self.median(variant, n)
+
+    def spread(self, variant: str, n: int) -> float | None:
+        """max / min − 1 of a variant's repeats at one length (None with one repeat)."""
+        return spread(self.times[variant][n])
+
+    def ceiling_of(self, variant: str, n: int) -> float | None:
+        """The most ``variant``'s speedup can be: a fill's plan ceiling 1/r, the compute ceiling L/S
+        of the first S layers (late layers free, early ones everything); stock has none."""
+        if variant == STOCK:
+            return None
+        if variant in self.kl:
+            return self.ceiling.get(n, self.compute_ceiling)
+        return self.compute_ceiling
+
+    def timing_warnings(self) -> list[dict]:
+        """The warnings of :func:`timing_warnings` for every length, by length."""
+        return [w for n in self.lengths
+                for w in timing_warnings({v: self.times[v][n] for v in self.times},
+                                         {v: self.ceiling_of(v, n) for v in self.times}, n_prompt=n)]
+
     @property
     def compute_ceiling(self) -> float:
         """L/S: the speedup if late layers cost nothing and early ones everything."""
@@ -98,10 +187,15 @@ class BenchResult:
             {"n_prompt": n, **{f"median_s[{v}]": self.median(v, n) for v in self.times},
              **{f"speedup[{v}]": self.speedup(v, n) for v in self.times if v != STOCK},
              "ceiling": self.ceiling.get(n, self.compute_ceiling), "compute_ceiling L/S": self.compute_ceiling,
+             f"tokens_per_s[{STOCK}]": self.tokens_per_s(n),
+             **{f"spread[{v}]": self.spread(v, n) for v in self.times},
              **{f"kl[{v}]": self.kl[v][n] for v in self.kl if n in self.kl[v]},
              **{f"greedy_agree[{v}]": self.greedy_agree[v][n] for v in self.greedy_agree if n in self.greedy_agree[v]}}
             for n in self.lengths
         ]
+        # the figures that cannot be trusted (spread[v]: max / min − 1 of the repeats, None with one)
+        d["timing_warnings"] = self.timing_warnings()
+        d["timing_notes"] = [SINGLE_REPEAT_NOTE] if self.repeats < 2 else []
         return d
 
 

@@ -16,7 +16,8 @@ one context of the patched llama.cpp:
   planted row filled (selector none) and with the selector on. With ``codes`` > 1 each prompt holds
   that many facts of different names (the others are distractors spread over the rows before the
   asked-for one), and answers naming a distractor's code are counted apart.
-* **Speed of the same runs**: median exact prefill time over median RidgeFill prefill time.
+* **Speed of the same runs**: median exact prefill time over median RidgeFill prefill time, with a
+  warning where it is above the plan's ceiling 1/r (:func:`bench.timing_warnings`: noise).
 * **Split sweep**: with map files for several splits, ΔNLL and speed per split.
 * **Map comparison**: other map files for the main split (e.g. fitted on longer windows, other
   text): each is a ridge variant with a paired ΔNLL difference against the main maps and a
@@ -42,7 +43,7 @@ import numpy as np
 from ..fitting import capture
 from . import metrics
 from ..core import settings
-from .bench import greedy_continuation
+from .bench import greedy_continuation, timing_warnings
 from ..fitting.corpus import default_documents, default_source_description
 from ..fitting.fit import bos_prefix
 from ..core.gguf_model import read_model_info
@@ -295,8 +296,25 @@ class EvalResult:
     def ttft_ratio(self, n: int, variant: str) -> float:
         return statistics.median(self.times[str(n)]["exact"]) / statistics.median(self.times[str(n)][variant])
 
+    def ceiling(self, n: int | str, variant: str) -> float | None:
+        """The plan ceiling 1/r of a variant at one length (a splice variant's is plain ridge's; None
+        where no plan was recorded, e.g. exact)."""
+        plans = self.plans.get(str(n), {})
+        plan = plans.get(variant, plans.get("ridge" if variant.startswith("ridge,") else variant, {}))
+        return plan.get("ceiling")
+
+    def timing_warnings(self) -> list[dict]:
+        """Speeds above their ceiling (:func:`bench.timing_warnings`), by length. A variant's times
+        are of different documents, each timed once, not repeats of one prompt: only the ceiling
+        rule applies."""
+        return [w for n, times in self.times.items()
+                for w in timing_warnings(times, {v: self.ceiling(n, v) for v in times}, base="exact",
+                                         n_prompt=int(n), repeats=False, more=None)]
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["timing_warnings"] = self.timing_warnings()
+        return d
 
 
 def _variant_name(split: int, first_split: int, kind: str = "ridge") -> str:

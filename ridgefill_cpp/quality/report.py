@@ -34,6 +34,11 @@ def _pct(d: dict | None, fill_positive: bool = False) -> str:
     return f"{100 * d['estimate']:.0f} % [{100 * d['low']:.0f}, {100 * d['high']:.0f}]"
 
 
+def timing_warning_lines(warnings: list[dict]) -> list[str]:
+    """Markdown lines of :func:`bench.timing_warnings`'s warnings (none: no lines)."""
+    return [f"> **Warning:** {w['message']}\n" for w in warnings]
+
+
 def write_report(res: EvalResult, out_dir: os.PathLike | str, elapsed_s: float | None = None) -> list[Path]:
     """Write report.md, results.json and the plots into ``out_dir``; return the paths."""
     out = Path(out_dir)
@@ -76,7 +81,8 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
              "losses), token-weighted mean over documents. Novel: the token's 8-token run does not occur earlier "
              "in the prompt. Key: exact loss rises by more than 2 nats when the context is cut to the last K tokens "
              "(one cut run per document: the first tail row sees K tokens, the last K + T − 1). "
-             "Speed: median exact prefill time / median prefill time of the variant, same context, same runs.\n")
+             "Speed: median exact prefill time / median prefill time of the variant, same context, same runs; "
+             "a speed above the variant's ceiling 1/r is noise (another load on the machine) and is flagged.\n")
     for n in sorted(set(res.summary) | set(res.retrieval), key=int):
         L.append(f"## {n}-token prompts\n")
         if n in res.summary:
@@ -111,6 +117,7 @@ def _nll_sections(res: EvalResult, n: str) -> list[str]:
                  f"{ci_text(row.get('all') and row['all']['ppl_ratio'], '{:.4f}')} | {res.ttft_ratio(int(n), v):.2f}x | "
                  f"{plan.get('ceiling', float('nan')):.2f}x |")
     L.append("")
+    L += timing_warning_lines([w for w in res.timing_warnings() if str(w["n_prompt"]) == n])
     paired = (getattr(res, "paired", None) or {}).get(n) or {}
     if paired:
         L.append("**Levers** (each lever's ΔNLL minus the plain ridge fill's on the same documents and tokens, "

@@ -31,7 +31,7 @@ from ..core import settings
 from ..core.gguf_model import read_model_info
 from ..runtime.prefill import Llama, RidgeFill
 from . import metrics, ruler_tasks
-from .bench import last_logits
+from .bench import last_logits, timing_warnings
 from .evaluate import open_context, plan_summary, text_sources, timed_prefill
 
 DEPTH_BINS = 5  # answer depth: the prompt in fifths
@@ -178,6 +178,8 @@ class RulerResult:
     summary: dict = field(default_factory=dict)   # length -> task | "average" -> condition -> statistics
     by_depth: dict = field(default_factory=dict)  # length -> depth bin -> condition -> statistics
     ttft: dict = field(default_factory=dict)      # length -> condition -> exact median / condition median
+    # length -> the TTFT ratios above their ceiling (bench.timing_warnings: noise)
+    timing_warnings: dict = field(default_factory=dict)
     worst: dict = field(default_factory=dict)     # length -> condition -> the (task, depth) cell it loses most in
     elapsed_s: float | None = None
 
@@ -292,6 +294,13 @@ def summarise(res: RulerResult, n_boot: int = 2000, seed: int = 0) -> None:
                              for b in bins}
         exact_t = statistics.median(r["outputs"][names[0]]["prefill_s"] for r in recs)
         res.ttft[key] = {n: exact_t / statistics.median(r["outputs"][n]["prefill_s"] for r in recs) for n in names}
+        # each prompt timed once per condition, prompts of several tasks: only the ceiling rule applies;
+        # the ceiling is the mean over the prompts, as the report shows it (none where a plan lacks one)
+        ceilings = {n: [r["outputs"][n].get("plan", {}).get("ceiling") for r in recs] for n in names[1:]}
+        res.timing_warnings[key] = timing_warnings(
+            {n: [r["outputs"][n]["prefill_s"] for r in recs] for n in names},
+            {n: None if None in cs else sum(cs) / len(cs) for n, cs in ceilings.items()},
+            base=names[0], n_prompt=length, repeats=False, more=None)
         # cells: (task, depth bin) for the needle and vt tasks, (task, "all") for cwe and fwe, which have
         # no depth; the largest mean loss wins, the cell with more samples on a tie
         groups: dict = {}

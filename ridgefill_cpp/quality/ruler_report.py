@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..core.files import write_bytes
-from .report import agg_pyplot, save_figure
+from .report import agg_pyplot, save_figure, timing_warning_lines
 from .ruler import RulerResult
 
 
@@ -73,6 +73,7 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
             L.append(f"| {n} | {score_ci(a['score'])} | {score_ci(a['delta'], True) if n != names[0] else '—'} | "
                      f"{a['same_answer']:.0%} | {res.ttft[length][n]:.2f}x | {filled:.0f} | {ceil:.2f}x |")
         L.append("")
+        L += timing_warning_lines(res.timing_warnings.get(length, []))
         depth = res.by_depth.get(length) or {}
         if depth:
             L.append("By depth of the answer in the prompt (needle and variable-tracking tasks; share of the prompt's tokens):\n")

@@ -18,7 +18,8 @@ How it measures (one context of the patched llama.cpp, as ``eval`` does):
   tokens and *novel* tokens (their 8-token run does not occur earlier in the prompt), per document,
   token-weighted mean with a percentile-bootstrap CI over documents.
 * **Speed**: median exact prefill time / median RidgeFill prefill time over the documents, next to
-  the plan's compute ceiling 1/r (docs/design.md §4).
+  the plan's compute ceiling 1/r (docs/design.md §4); a speedup above it is noise, and is warned of
+  (:func:`bench.timing_warnings`).
 * **Retrieval** (``retrieval_prompts`` > 0): ``eval``'s planted-code prompts of the same length
   (``RETRIEVAL_ANSWER`` tokens shorter, so that the greedy answer fits the documents' context;
   ``codes`` facts of different names each; the asked-for one at depths spread over 0.1-0.9 of the
@@ -56,7 +57,8 @@ from ..fitting.fit import bos_prefix
 from ..core.gguf_model import read_model_info
 from ..maps.mapfile import map_file_splits, write_tuned_defaults
 from ..runtime.prefill import RidgeFill
-from .report import agg_pyplot, ci_text, save_figure
+from .bench import timing_warnings
+from .report import agg_pyplot, ci_text, save_figure, timing_warning_lines
 
 
 #: the retrieval prompts are this many tokens shorter than the documents: room for the answer
@@ -153,11 +155,19 @@ class TuneResult:
     def best(self) -> TunePoint | None:
         return self.points[self.chosen] if self.chosen is not None else None
 
+    def timing_warnings(self) -> list[dict]:
+        """The settings whose speedup is above their ceiling (:func:`bench.timing_warnings`; each
+        document is timed once per setting, so only the ceiling rule applies)."""
+        return [w for p in self.points
+                for w in timing_warnings({"exact": self.exact_times, p.label: p.times}, {p.label: p.ceiling},
+                                         base="exact", n_prompt=self.options.get("length"), repeats=False, more=None)]
+
     def as_dict(self) -> dict:
         """Plain JSON-able data (NaN and infinities as None)."""
         d = asdict(self)
         for p, dp in zip(self.points, d["points"]):
             dp["label"] = p.label
+        d["timing_warnings"] = self.timing_warnings()
         return _finite(d)
 
 
@@ -566,6 +576,7 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
                  + (f" {p.retrieval['kept'][0]}/{p.retrieval['kept'][1]} |" if p.retrieval is not None else "")
                  + f" {'yes' if p.feasible else 'no'}{mark} | {'yes' if p.on_front else ''} |")
     L.append("")
+    L += timing_warning_lines(res.timing_warnings())
     if png:
         L.append(f"![{png}]({png})\n")
     return "\n".join(L) + "\n"
