@@ -38,7 +38,10 @@ def test_first_layers_range(tiny_models, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_benchmark_runs_side_by_side(tiny_models, cli, tmp_path):
+def test_benchmark_runs_side_by_side(tiny_models, cli, tmp_path, monkeypatch):
+    from ridgefill_cpp.cli.app import out as console
+
+    monkeypatch.setattr(console, "width", 250)  # the table's headers whole (80 columns cut them: "ceili…")
     res = benchmark_prefill(tiny_models["llama"], lengths=[96, 32], split=3, tail=8, min_prompt=64, first_layers=True,
                             repeats=2, n_threads=1, greedy_tokens=4)
     assert res.lengths == [32, 96] and res.compute_ceiling == 2.0
