@@ -62,9 +62,20 @@ def _number(s: str) -> int:
     return int(s.replace(",", ""))
 
 
-def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, drv, message, tmp_path):
+@pytest.fixture
+def server_log_on_failure():
+    """Print the end of the servers' logs when the test fails (the browser only sees a page)."""
+    servers: list[Server] = []
+    yield servers.append
+    for srv in servers:
+        print(f"--- {srv.log_path}: its last lines\n" + "\n".join(srv.log().splitlines()[-40:]))
+
+
+def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, drv, message, tmp_path,
+                                                                 server_log_on_failure):
     rf = RidgeFill.identity(split=20)
     with Server(smollm2_path, rf, extra_args=ARGS, log_path=tmp_path / "rf.log", startup_timeout=120) as srv:
+        server_log_on_failure(srv)
         url = _ui_url(srv)
         planned = send(drv, url, message)
         assert planned.text and "t/s" in planned.stats
@@ -97,8 +108,10 @@ def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, dr
         assert _metrics(srv)["ridgefill_prefills_total"] == 1
 
 
-def test_a_server_without_ridgefill_shows_no_ridgefill_line(smollm2_path, drv, message, tmp_path):
+def test_a_server_without_ridgefill_shows_no_ridgefill_line(smollm2_path, drv, message, tmp_path,
+                                                            server_log_on_failure):
     with Server(smollm2_path, None, extra_args=ARGS, log_path=tmp_path / "stock.log", startup_timeout=120) as srv:
+        server_log_on_failure(srv)
         answer = send(drv, _ui_url(srv), message)
     assert answer.text and "t/s" in answer.stats
     assert answer.ridgefill is None and answer.ridgefill_state is None

@@ -66,6 +66,22 @@ def page_kind(url: str, timeout: float = 30) -> str:
     return "no-ui" if NO_UI_MARKER in text else "ui"
 
 
+#: seconds a page may take to load (chromedriver's own default, 300, outlasts selenium's 120-s command timeout)
+PAGE_LOAD_TIMEOUT = 60
+
+
+def _open(drv, url: str, reload: bool = False) -> None:
+    """Load the page at url (or reload the current one). A load that has not finished after
+    PAGE_LOAD_TIMEOUT (a resource that never arrives) is stopped instead of hanging the session: the
+    waits for the page's elements then tell whether the page works."""
+    from selenium.common.exceptions import TimeoutException
+
+    try:
+        drv.refresh() if reload else drv.get(url)
+    except TimeoutException:
+        drv.execute_script("window.stop();")
+
+
 @contextmanager
 def browser(width: int = 1280, height: int = 1000):
     """A headless Chromium session (selenium's webdriver), closed on exit."""
@@ -81,6 +97,7 @@ def browser(width: int = 1280, height: int = 1000):
         opts.add_argument(flag)
     opts.add_argument(f"--window-size={width},{height}")
     drv = webdriver.Chrome(service=Service(executable_path=driver), options=opts)
+    drv.set_page_load_timeout(PAGE_LOAD_TIMEOUT)
     try:
         yield drv
     finally:
@@ -108,7 +125,7 @@ def send(drv, url: str, text: str, timeout: float = 300) -> Answer:
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    drv.get(url + "/")
+    _open(drv, url + "/")
     box = WebDriverWait(drv, 60).until(EC.element_to_be_clickable((By.CSS_SELECTOR, "textarea")))
     # the text goes in as typed input (an input event on the chat box), not as a paste: the UI turns a
     # long paste into a file attachment
@@ -138,11 +155,11 @@ def set_custom_json(drv, url: str, custom: dict) -> None:
     """Settings > Developer > Custom JSON, as a user sets it: the object is merged into every request
     the UI sends (e.g. {"ridgefill": false}). Written into the UI's stored settings (localStorage
     "LlamaUi.config"), then the page is loaded again."""
-    drv.get(url + "/")
+    _open(drv, url + "/")
     drv.execute_script(
         "const key = 'LlamaUi.config'; const v = JSON.parse(localStorage.getItem(key) || '{}');"
         "v.customJson = arguments[0]; localStorage.setItem(key, JSON.stringify(v));", json.dumps(custom))
-    drv.refresh()
+    _open(drv, url + "/", reload=True)
 
 
 def http_chat(url: str, text: str, ridgefill: bool, timeout: float = 600) -> dict:
