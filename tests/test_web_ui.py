@@ -3,7 +3,10 @@ selenium; tools/measure/web_ui.py): the page at "/" is the chat UI, a long messa
 sent gets an answer, and the answer's statistics show what RidgeFill did - rows filled and exact of the
 prompt, the split, prefill time and the ceiling (patches/0010-ui-ridgefill.patch) - with the same
 numbers as the server's own /metrics counters; the same message again reuses the cached rows, and the
-line says how many of them RidgeFill filled. The UI's Custom JSON setting turns RidgeFill off
+line says how many of them RidgeFill filled. An answer is shown when the page rendered it (elements
+of its markdown): SmolLM2's greedy answer with identity fill is '****' rules, which have no text.
+Answers are greedy (Custom JSON {"temperature": 0}) so that what the page shows does not depend on
+chance. The UI's Custom JSON setting turns RidgeFill off
 ({"ridgefill": false}) and the line then says so; a server without RidgeFill shows no RidgeFill line.
 
 Without Chromium, chromedriver or selenium, or with a llama-server built without the UI (no node and
@@ -25,6 +28,9 @@ from test_serve_ridgefill import _metrics
 from web_ui import browser, document_prompt, find_browser, page_kind, send, set_custom_json
 
 pytestmark = pytest.mark.slow
+
+#: greedy answers, set through the UI's Custom JSON as a user would
+GREEDY = {"temperature": 0}
 
 #: one slot, a short answer, the RidgeFill statistics in /metrics
 ARGS = ["-c", "4096", "-np", "1", "-n", "16", "--threads", "2", "-ngl", "0", "--metrics", "--no-warmup"]
@@ -77,8 +83,9 @@ def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, dr
     with Server(smollm2_path, rf, extra_args=ARGS, log_path=tmp_path / "rf.log", startup_timeout=120) as srv:
         server_log_on_failure(srv)
         url = _ui_url(srv)
+        set_custom_json(drv, url, GREEDY)
         planned = send(drv, url, message)
-        assert planned.text and "t/s" in planned.stats
+        assert planned.blocks and "t/s" in planned.stats
         assert planned.ridgefill_state == "applied", planned
         m = re.search(r"([\d,]+) of ([\d,]+) rows filled, ([\d,]+) exact", planned.ridgefill)
         assert m, planned.ridgefill
@@ -93,7 +100,7 @@ def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, dr
         # the same message again: the server reuses the cached rows of the planned prompt, and the line says
         # so with how many of them were filled, instead of calling the answer's prompt stock prefill
         repeated = send(drv, url, message)
-        assert repeated.text and repeated.ridgefill_state == "stock", repeated
+        assert repeated.blocks and repeated.ridgefill_state == "stock", repeated
         m = re.search(r"([\d,]+) new rows after ([\d,]+) cached rows, ([\d,]+) of them filled by RidgeFill",
                       repeated.ridgefill)
         assert m, repeated.ridgefill
@@ -101,9 +108,9 @@ def test_the_chat_page_shows_what_ridgefill_did_for_each_answer(smollm2_path, dr
         assert _metrics(srv)["ridgefill_prefills_total"] == 1
 
         # Settings > Developer > Custom JSON {"ridgefill": false}: exact prefill, and the line says why
-        set_custom_json(drv, url, {"ridgefill": False})
+        set_custom_json(drv, url, {**GREEDY, "ridgefill": False})
         exact_answer = send(drv, url, message)
-        assert exact_answer.text and exact_answer.ridgefill_state == "stock", exact_answer
+        assert exact_answer.blocks and exact_answer.ridgefill_state == "stock", exact_answer
         assert "exact prefill requested" in exact_answer.ridgefill
         assert _metrics(srv)["ridgefill_prefills_total"] == 1
 
@@ -112,6 +119,8 @@ def test_a_server_without_ridgefill_shows_no_ridgefill_line(smollm2_path, drv, m
                                                             server_log_on_failure):
     with Server(smollm2_path, None, extra_args=ARGS, log_path=tmp_path / "stock.log", startup_timeout=120) as srv:
         server_log_on_failure(srv)
-        answer = send(drv, _ui_url(srv), message)
-    assert answer.text and "t/s" in answer.stats
+        url = _ui_url(srv)
+        set_custom_json(drv, url, GREEDY)
+        answer = send(drv, url, message)
+    assert answer.blocks and "t/s" in answer.stats
     assert answer.ridgefill is None and answer.ridgefill_state is None

@@ -107,6 +107,7 @@ def browser(width: int = 1280, height: int = 1000):
 @dataclass
 class Answer:
     text: str                  # the assistant's answer as the page shows it
+    blocks: int                # elements the answer rendered into (a markdown rule has no text)
     stats: str                 # the answer's statistics line (tokens, time, t/s)
     prompt_stats: str          # the message's statistics line (prompt tokens, prompt time, tokens/s)
     ridgefill: str | None      # RidgeFill's line, None when the page shows none
@@ -142,11 +143,12 @@ def send(drv, url: str, text: str, timeout: float = 300) -> Answer:
     rf = info.find_elements(By.CSS_SELECTOR, "[data-ridgefill]")
     answer = drv.execute_script("const c = arguments[0].cloneNode(true); c.querySelectorAll('.info').forEach(e => e.remove());"
                                 "return c.innerText;", msg)
+    blocks = len(msg.find_elements(By.CSS_SELECTOR, ".markdown-content *"))
     stats = info.text.replace(rf[0].text, "").strip() if rf else info.text.strip()
     prompt_stats = drv.execute_script(
         "const u = [...document.querySelectorAll('.chat-message-user')].pop();"
         "const s = u && u.querySelector('div.inline-flex.items-center.text-xs'); return s ? s.innerText : '';")
-    return Answer(text=answer.strip(), stats=stats, prompt_stats=prompt_stats.strip(),
+    return Answer(text=answer.strip(), blocks=blocks, stats=stats, prompt_stats=prompt_stats.strip(),
                   ridgefill=rf[0].text.strip() if rf else None,
                   ridgefill_state=rf[0].get_attribute("data-ridgefill") if rf else None, seconds=seconds)
 
