@@ -63,7 +63,7 @@ peer-tests: setup
 	$(VPY) tools/peer_server_tests.py $(PEER_ARGS)
 
 # a GPU device run, prepared here: the CUDA libraries (sm_90) and wheels in gpu-pack/ (tools/gpu_pack.sh;
-# about 18 min on 2 cores the first time); the device command is tools/gpu_device.sh
+# about 22 min on 2 cores the first time); the device command is tools/gpu_device.sh
 gpu-pack: setup
 	tools/gpu_pack.sh
 

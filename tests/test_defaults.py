@@ -26,6 +26,7 @@ from ridgefill_cpp.server.serve import server_binary
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+PYTHON_DOC = REPO / "docs" / "python.md"
 DESIGN = REPO / "docs" / "design.md"
 
 
@@ -64,8 +65,15 @@ def _readme() -> dict[str, Any]:
     m = re.search(r"value rescale c = (\d+)", text)
     assert m, "the README no longer states the value rescale of its results"
     out["value_rescale"] = int(m.group(1))
+    return out
+
+
+def _python_doc() -> dict[str, Any]:
+    """The defaults docs/python.md (the README's "more options") states."""
+    text = " ".join(PYTHON_DOC.read_text().split())
+    out: dict[str, Any] = {}
     m = re.search(r"`protected=\(\"(\w+)\", \"(\w+)\"\)`", text)
-    assert m, "the README no longer states the protected selector's classes"
+    assert m, "docs/python.md no longer states the protected selector's classes"
     out["protected"] = settings.protected_mask(m.groups())
     out["key_rescale"] = 0 if "`key_rescale=c_K` (a per-head key scale, off by default)" in text else None
     return out
@@ -105,6 +113,7 @@ def statements() -> dict[str, Mapping[str, Any]]:
                                                        "n_queries": F.DEFAULT_N_QUERIES,
                                                        "exact_fraction": F.DEFAULT_FRACTION, "span": F.DEFAULT_SPAN},
         "README.md": _readme(),
+        "docs/python.md": _python_doc(),
         "docs/design.md §13": _design(),
     }
 

@@ -256,7 +256,7 @@ def test_eval_ruler_end_to_end(tiny_models, tiny_maps, cli, tmp_path):
     r = cli("eval", tiny_models["llama"], "--maps", tiny_maps, "--ruler", "--ruler-tasks", TINY_TASKS, "--lengths", "1536",
             "--samples", "2", "--ruler-identity", "--threads", "1", "--out", tmp_path / "r")
     assert r.exit_code == 0, r.output
-    assert {p.name for p in (tmp_path / "r").iterdir()} == {"ruler.md", "ruler.json", "ruler.png"}
+    assert {p.name for p in (tmp_path / "r").iterdir()} == {"ruler.md", "ruler.json", "ruler.png", "ruler.samples.jsonl"}
     res = json.loads((tmp_path / "r" / "ruler.json").read_text())
     assert list(res["conditions"]) == ["exact", "ridge S=4", "identity S=4"]
     assert len(res["samples"]) == 5 * 2 and res["template"] == "base"
@@ -279,6 +279,74 @@ def test_eval_ruler_end_to_end(tiny_models, tiny_maps, cli, tmp_path):
     md = (tmp_path / "r" / "ruler.md").read_text()
     assert "| | avg | niah_single_1 | niah_multikey_2 | niah_single_2 | vt | fwe |" in md and "| Δ ridge S=4 |" in md
     assert "essay haystack" in md and "RULER at 1536 tokens" in r.output
+
+
+def test_an_interrupted_ruler_run_goes_on_from_its_journal(tiny_models, tiny_maps, tmp_path):
+    """A run killed after two prompts (and while writing the third's record) goes on where it
+    stopped: the finished prompts come from the journal, the rest are run, and the result is the
+    uninterrupted run's; more samples extend it; a journal of other settings, or a damaged one, is
+    refused and left as it was."""
+    from ridgefill_cpp.runtime.prefill import RidgeFill
+
+    conds = lambda tail=16: {"exact": None, "ridge": RidgeFill(tiny_maps, split=4, tail=tail, min_prompt=0)}  # noqa: E731
+    opts = lambda n: ruler.RulerOptions(tasks=("niah_single_1", "fwe"), lengths=[1024], samples=n, n_threads=1)  # noqa: E731
+    model, journal = tiny_models["llama"], tmp_path / "out" / ruler.JOURNAL
+
+    def outputs(res):
+        return [(r["task"], r["index"], {n: (o["text"], o["score"]) for n, o in r["outputs"].items()}) for r in res.samples]
+
+    whole = ruler.run_ruler(model, conds(), opts(2), "")
+
+    class Killed(Exception):
+        pass
+
+    def kill_in_third(done, total, what):
+        if done == 5:  # the third prompt's exact run: two prompts are finished
+            raise Killed
+
+    with pytest.raises(Killed):
+        ruler.run_ruler(model, conds(), opts(2), "", progress=kill_in_third, journal=journal)
+    assert len(journal.read_text().splitlines()) == 1 + 2
+    with open(journal, "a") as f:
+        f.write('{"task": "fwe", "len')  # the record a killed run was writing
+    calls = []
+    resumed = ruler.run_ruler(model, conds(), opts(2), "", progress=lambda d, t, w: calls.append(t), journal=journal)
+    assert resumed.reused == 2 and set(calls) == {2 * 2}  # two prompts left, two conditions each
+    assert outputs(resumed) == outputs(whole)
+    assert resumed.summary["1024"]["average"]["ridge"]["delta"] == whole.summary["1024"]["average"]["ridge"]["delta"]
+    assert len(journal.read_text().splitlines()) == 1 + 4 and journal.read_text().endswith("\n")
+
+    more = ruler.run_ruler(model, conds(), opts(3), "", journal=journal)
+    assert more.reused == 4 and len(more.samples) == 6 and outputs(more)[:2] == outputs(whole)[:2]
+
+    before = journal.read_bytes()
+    with pytest.raises(ValueError, match=r"RULER run with other settings \(the conditions .* differ\)"):
+        ruler.run_ruler(model, conds(tail=32), opts(2), "", journal=journal)
+    with pytest.raises(ValueError, match=r"other settings \(the haystack text differ"):
+        ruler.run_ruler(model, conds(), opts(2), "some other words", journal=journal)
+    assert journal.read_bytes() == before
+    lines = before.decode().splitlines(keepends=True)
+    journal.write_text("".join(lines[:2] + ["not json\n"] + lines[2:]))
+    with pytest.raises(ValueError, match="line 3: not a prompt record"):
+        ruler.run_ruler(model, conds(), opts(2), "", journal=journal)
+    journal.write_text("{}\n")
+    with pytest.raises(ValueError, match="not a RULER journal"):
+        ruler.run_ruler(model, conds(), opts(2), "", journal=journal)
+
+
+def test_eval_ruler_goes_on_in_the_same_out_folder(tiny_models, tiny_maps, cli, tmp_path):
+    args = ("eval", tiny_models["llama"], "--maps", tiny_maps, "--ruler", "--ruler-tasks", "niah_single_1", "--lengths",
+            "1024", "--threads", "1", "--out", tmp_path / "r")
+    r = cli(*args, "--samples", "1")
+    assert r.exit_code == 0, r.output
+    r = cli(*args, "--samples", "2")
+    assert r.exit_code == 0, r.output
+    assert "1 of 2 prompts from" in r.output
+    res = json.loads((tmp_path / "r" / "ruler.json").read_text())
+    assert res["reused"] == 1 and [rec["index"] for rec in res["samples"]] == [0, 1]
+    assert "1 of the 2 prompts were run in earlier sittings" in (tmp_path / "r" / "ruler.md").read_text()
+    r = cli(*args, "--samples", "2", "--tail", "32")
+    assert r.exit_code == 1 and "other settings (the conditions" in r.output
 
 
 def test_eval_ruler_with_every_row_exact_answers_as_exact(tiny_models, tiny_maps, tmp_path):

@@ -115,7 +115,7 @@ def main(
     ctx: typer.Context,
     version: Optional[bool] = typer.Option(
         None, "--version", callback=_version_callback, is_eager=True,
-        help="Show the version, the llama.cpp commit and patch set of the native build, and exit.",
+        help="Show the version, the llama.cpp commit and patch set of the native build, its backends, the CPU paths it was compiled with (ISA extensions, AMX) and the libraries' folder, and exit.",
     ),
     verbose: bool = typer.Option(
         False, "--verbose", "-v",

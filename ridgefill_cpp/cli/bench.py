@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
+from ..core.machine import measured_text
 from .app import (CLASS_NAMES, SELECTOR_NAMES, app, check_output_file, check_prefill_args, csv, err, fail,
                   given_options, out, print_timing_warnings, resolve_operating_point, tuned_help)
 
@@ -111,6 +112,7 @@ def bench(
         if any(n < res.min_prompt for n in res.lengths):
             out.print(f"prompts shorter than --min-prompt {res.min_prompt} ran stock prefill in every variant "
                       "(their times show the overhead of an attached RidgeFill)", highlight=False)
+    out.print(f"measured: {measured_text(res.measured)}", highlight=False)
     if json_out:
         from ..core.files import write_bytes
 

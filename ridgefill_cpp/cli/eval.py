@@ -42,7 +42,7 @@ def eval_cmd(
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     swa_full: bool = typer.Option(True, "--swa-full/--no-swa-full", help="Models with sliding-window layers (gemma3, gpt-oss): every variant on a full-size KV cache (libllama's default) or on a window-sized one (llama-server's default, with --no-swa-full)."),
-    out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json; with --ruler: ruler.md, ruler.png, ruler.json)."),
+    out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json; with --ruler: ruler.md, ruler.png, ruler.json, and ruler.samples.jsonl, each finished prompt as it finishes: run again with the same --out to go on after an interruption or with more --samples, tasks or lengths)."),
     ruler: bool = typer.Option(False, "--ruler", help="Run RULER's synthetic tasks instead (needles, variable tracking, common and frequent words): each prompt with exact prefill and with each --maps file, scored as RULER scores them, paired (docs/ruler)."),
     ruler_tasks: Optional[str] = typer.Option(None, "--ruler-tasks", help="With --ruler: the tasks, comma-separated (default all: "
                                                "niah_single_1,2,3, niah_multikey_1,2,3, niah_multivalue, niah_multiquery, vt, cwe, fwe)."),
@@ -112,7 +112,7 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
     """``eval --ruler``: RULER's tasks with exact prefill, each map file at its split (and identity
     fill at the first one's), one operating point; the report into ``out_dir``."""
     from ..maps.mapfile import MapFileError, map_file_splits
-    from ..quality.ruler import RulerOptions, run_ruler
+    from ..quality.ruler import JOURNAL, RulerOptions, run_ruler
     from ..quality.ruler_report import score_ci, write_ruler_report
     from ..quality.evaluate import default_texts, text_sources
     from ..runtime.prefill import RidgeFill
@@ -138,7 +138,13 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
     kind = "text" if given else "documentation"
     essay = "\n\n".join(t for _, t in essay_texts[kind])
     source = text_sources({kind: essay_texts[kind]})[0] + " (the essay haystack)"
-    res = _measured("RULER", lambda progress: run_ruler(model, conditions, options, essay, source, progress=progress))
+    journal = out_dir / JOURNAL
+    if journal.exists():
+        err.print(f"{journal}: taking the prompts an earlier sitting finished from there", highlight=False)
+    res = _measured("RULER", lambda progress: run_ruler(model, conditions, options, essay, source, progress=progress,
+                                                        journal=journal))
+    if res.reused:
+        err.print(f"{res.reused} of {len(res.samples)} prompts from {journal}", highlight=False)
     paths = _written(lambda: write_ruler_report(res, out_dir), out_dir)
     for n, summ in res.summary.items():
         t = Table(title=f"{model.name}, RULER at {n} tokens ({options.samples} samples per task; score ×100, 95 % CI)")

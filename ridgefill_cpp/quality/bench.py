@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import llama_cpp
 import numpy as np
 
+from ..core.machine import measured_on
 from ..fitting import capture
 from ..core import settings
 from ..fitting.corpus import default_documents
@@ -138,6 +139,7 @@ class BenchResult:
     greedy_agree: dict[str, dict[int, int]] = field(default_factory=dict)
     greedy_tokens: int = 0
     key_rescale: int = 0              # c_K of the fill variants (0: off)
+    measured: dict = field(default_factory=dict)  # core.machine.measured_on: date, CPU, threads, versions
 
     def median(self, variant: str, n: int) -> float:
         return statistics.median(self.times[variant][n])
@@ -331,7 +333,7 @@ def benchmark_prefill(
     res = BenchResult(model=str(model), n_layer=info.n_layer, split=split, tail=tail, exact_fraction=exact_fraction,
                       selector=selector, min_prompt=min_prompt, maps=str(maps) if maps else None, threads=n_threads,
                       n_batch=n_batch, repeats=repeats, lengths=lengths, greedy_tokens=greedy_tokens,
-                      key_rescale=int(plan["key_rescale"] or 0),
+                      key_rescale=int(plan["key_rescale"] or 0), measured=measured_on(n_threads),
                       times={v: {n: [] for n in lengths} for v in variants},
                       kl={v: {} for v in fills}, greedy_agree={v: {} for v in fills})
     reference: dict[int, tuple[np.ndarray, list[int]]] = {}

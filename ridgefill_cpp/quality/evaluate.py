@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..core.machine import measured_on
 from ..fitting import capture
 from . import metrics
 from ..core import settings
@@ -292,6 +293,7 @@ class EvalResult:
     # variant name -> map file of the map comparison (other maps for the first split)
     compared_maps: dict = field(default_factory=dict)
     elapsed_s: float | None = None   # wall time of the whole evaluation
+    measured: dict = field(default_factory=dict)  # core.machine.measured_on: date, CPU, threads, versions
 
     def ttft_ratio(self, n: int, variant: str) -> float:
         return statistics.median(self.times[str(n)]["exact"]) / statistics.median(self.times[str(n)][variant])
@@ -374,7 +376,8 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     S0 = splits[0]
     res = EvalResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, options=asdict(options), sources=text_sources(texts), key_cut={},
-                     compared_maps={name: str(m) for name, m in compared.items()})
+                     compared_maps={name: str(m) for name, m in compared.items()},
+                     measured=measured_on(options.n_threads))
     T = options.tail
     # hybrids: the late recurrent layers, whose boundary state the splice test also replaces
     rec_layers = [il for il in info.recurrent_layers if il >= S0]

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from ..core.machine import measured_text
 from .evaluate import EvalResult
 from ..core.files import write_bytes
 
@@ -76,6 +77,7 @@ def _markdown(res: EvalResult, plots: list[str], elapsed_s: float | None) -> str
     L.append("- texts (disjoint from the calibration text of `fit`): " + "; ".join(res.sources))
     if elapsed_s is not None:
         L.append(f"- run time: {elapsed_s / 60:.1f} min")
+    L.append(f"- measured: {measured_text(res.measured)}")
     L.append("")
     L.append("ΔNLL = NLL with fill − NLL of exact prefill on the same tokens (nats; the tail rows' next-token "
              "losses), token-weighted mean over documents. Novel: the token's 8-token run does not occur earlier "

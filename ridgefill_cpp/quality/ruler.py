@@ -10,6 +10,13 @@ of each condition, its difference from exact with a bootstrap CI over samples, h
 equals exact's word for word, and the TTFT ratio; for the needle and variable-tracking tasks, the
 same by the depth of the answer in the prompt. The library never prints; ``progress(done, total,
 what)`` reports runs.
+
+A run can span several sittings: with a ``journal`` (``eval --ruler --out DIR`` keeps
+``DIR/ruler.samples.jsonl``), each prompt's record is appended as soon as every condition has
+answered it, and a later run with the same model, conditions, seed and haystack takes the prompts
+it already holds from there instead of running them again (more ``--samples``, more tasks or
+lengths extend it; an interrupted run goes on where it stopped). A journal of another run is
+refused, never mixed in.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..core.machine import measured_on
 from ..core import settings
 from ..core.gguf_model import read_model_info
 from ..runtime.prefill import Llama, RidgeFill
@@ -35,6 +43,7 @@ from .bench import last_logits, timing_warnings
 from .evaluate import open_context, plan_summary, text_sources, timed_prefill
 
 DEPTH_BINS = 5  # answer depth: the prompt in fifths
+JOURNAL = "ruler.samples.jsonl"  # eval --ruler's record of finished prompts in its --out folder
 DEVIATIONS = (
     "essay haystack: the project's evaluation text (or --text), not Paul Graham's essays",
     "sentences split by a rule (end punctuation, space, capital), not NLTK punkt",
@@ -163,6 +172,96 @@ def answer_depth(prompter: Prompter, text: str, n_tokens: int, sample: ruler_tas
 
 
 # ------------------------------------------------------------------------------------------------
+# the journal: finished prompts, kept across sittings
+
+
+def _file_digest(path: os.PathLike | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def run_key(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], options: RulerOptions,
+            essay_text: str) -> dict:
+    """What makes two runs' prompts and answers the same: the model (fingerprint), each condition
+    (its settings and the map file's content), the seed, the batch, the KV cache kind and the
+    haystack. Not the tasks, lengths, sample count or threads, which a later sitting may change."""
+    from ..maps.fingerprint import model_fingerprint
+
+    conds = {}
+    for name, rf in conditions.items():
+        rec = _condition_record(rf)
+        rec["maps"] = None if rf is None or rf.maps is None else _file_digest(rf.maps)
+        conds[name] = rec
+    return {"model": model_fingerprint(model), "conditions": conds, "seed": options.seed,
+            "n_batch": options.n_batch, "swa_full": options.swa_full,
+            "haystack": "sha256:" + hashlib.sha256(essay_text.encode()).hexdigest()}
+
+
+def _key_difference(old: dict, new: dict) -> str:
+    what = {"model": "the model", "conditions": "the conditions (names, map files or settings)", "seed": "the seed",
+            "n_batch": "the batch size", "swa_full": "the KV cache kind (--swa-full)", "haystack": "the haystack text"}
+    return ", ".join(v for k, v in what.items() if old.get(k) != new.get(k)) or "its format"
+
+
+class Journal:
+    """``ruler.samples.jsonl``: a first line ``{"run": KEY}``, then one finished prompt's record per
+    line, appended and synced as each prompt finishes. An unfinished last line (a run killed while
+    writing it) is dropped; any other damage is an error, and the file is never rewritten."""
+
+    def __init__(self, path: os.PathLike | str, key: dict):
+        self.path = Path(path)
+        self.done: dict[tuple[str, int, int], dict] = {}
+        if self.path.exists():
+            self._read(key)
+        else:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "x", encoding="utf-8") as f:
+                    f.write(json.dumps({"run": key}) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise ValueError(f"cannot write {self.path}: {e.strerror or e}") from None
+
+    def _read(self, key: dict) -> None:
+        raw = self.path.read_bytes()
+        end = raw.rfind(b"\n") + 1
+        lines = raw[:end].decode("utf-8", errors="replace").splitlines()
+        try:
+            head = json.loads(lines[0]) if lines else None
+            old = head["run"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{self.path} is not a RULER journal of eval --ruler (its first line is not a run "
+                             "record): give another --out") from None
+        if old != key:
+            raise ValueError(f"{self.path} holds a RULER run with other settings ({_key_difference(old, key)} "
+                             "differ): give another --out, or remove the file to start over") from None
+        for n, line in enumerate(lines[1:], 2):
+            try:
+                rec = json.loads(line)
+                self.done[(rec["task"], rec["length"], rec["index"])] = rec
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{self.path}, line {n}: not a prompt record (the file was edited or damaged); "
+                                 "remove the file to start over") from None
+        if end < len(raw):  # a record cut off by a killed run: drop it, it is run again
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+
+    def add(self, rec: dict) -> None:
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise ValueError(f"cannot write {self.path}: {e.strerror or e}") from None
+        self.done[(rec["task"], rec["length"], rec["index"])] = rec
+
+
+# ------------------------------------------------------------------------------------------------
 # the run
 
 
@@ -181,7 +280,9 @@ class RulerResult:
     # length -> the TTFT ratios above their ceiling (bench.timing_warnings: noise)
     timing_warnings: dict = field(default_factory=dict)
     worst: dict = field(default_factory=dict)     # length -> condition -> the (task, depth) cell it loses most in
-    elapsed_s: float | None = None
+    elapsed_s: float | None = None                # this sitting's wall time
+    reused: int = 0                               # prompts taken from the journal of earlier sittings
+    measured: dict = field(default_factory=dict)  # core.machine.measured_on: date, CPU, threads, versions
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -189,9 +290,12 @@ class RulerResult:
 
 def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], options: RulerOptions,
               essay_text: str, essay_source: str | None = None,
-              progress: Callable[[int, int, str], None] | None = None) -> RulerResult:
+              progress: Callable[[int, int, str], None] | None = None,
+              journal: os.PathLike | str | None = None) -> RulerResult:
     """Run every task of ``options`` at every length on ``options.samples`` prompts, each with every
-    condition (name -> RidgeFill; None: exact prefill, which must come first)."""
+    condition (name -> RidgeFill; None: exact prefill, which must come first). With ``journal`` (a
+    path), prompts it already holds for the same run are taken from it, and each new one is
+    appended to it as it finishes (see :class:`Journal`)."""
     options.check()
     names = list(conditions)
     if not names or conditions[names[0]] is not None:
@@ -204,10 +308,13 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
         raise ValueError(f"a {max(options.lengths)}-token RULER prompt (with its answer) is longer than the model's "
                          f"context ({info.context_length})")
     t0 = time.perf_counter()
+    jr = Journal(journal, run_key(model, conditions, options, essay_text)) if journal is not None else None
+    wanted = [(task, length, i) for length in options.lengths for task in options.tasks for i in range(options.samples)]
+    reused = sum(1 for k in wanted if jr and k in jr.done)
     first_rf = next((rf for rf in conditions.values() if rf is not None), None)
     llm = open_context(model, max(options.lengths), options.n_batch, options.n_threads, first_rf, options.swa_full)
     prompter = Prompter(llm)
-    total = len(options.lengths) * len(options.tasks) * options.samples * len(names)
+    total = (len(wanted) - reused) * len(names)
     done = 0
     records = []
     try:
@@ -215,6 +322,11 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
             for task in options.tasks:
                 start = 64
                 for i in range(options.samples):
+                    if jr and (task, length, i) in jr.done:
+                        rec = jr.done[(task, length, i)]
+                        start = rec["size"]
+                        records.append(rec)
+                        continue
                     seed = sample_seed(options.seed, task, length, i)
                     sample, tokens = sized_sample(prompter, task, seed, length, essay, start)
                     start = sample.size
@@ -231,6 +343,8 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
                         done += 1
                         if progress:
                             progress(done, total, f"{task} at {length} ({name})")
+                    if jr:
+                        jr.add(rec)
                     records.append(rec)
     finally:
         llm.close()
@@ -239,7 +353,7 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
         conditions={n: _condition_record(rf) for n, rf in conditions.items()},
         sources=[essay_source or text_sources({"documentation": [("", "")]})[0],
                  "wonderwords word lists (MIT): needle keys, cwe's words"],
-        deviations=list(DEVIATIONS), samples=records)
+        deviations=list(DEVIATIONS), samples=records, reused=reused, measured=measured_on(options.n_threads))
     summarise(res, options.n_boot, options.seed)
     res.elapsed_s = time.perf_counter() - t0
     return res

@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 
 from ..core.files import write_bytes
+from ..core.machine import measured_text
 from .report import agg_pyplot, save_figure, timing_warning_lines
-from .ruler import RulerResult
+from .ruler import JOURNAL, RulerResult
 
 
 def score_ci(d: dict, signed: bool = False) -> str:
@@ -95,7 +96,10 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
     L.append("Texts: " + "; ".join(res.sources) + ".\n")
     L.append("Departures from RULER's reference implementation: " + "; ".join(res.deviations) + ".\n")
     L.append("Every prompt's seed, answer and the outputs of each condition are in ruler.json."
-             + (f" Wall time {res.elapsed_s / 60:.1f} min." if res.elapsed_s is not None else ""))
+             + (f" Wall time {res.elapsed_s / 60:.1f} min." if res.elapsed_s is not None else "")
+             + f" Measured: {measured_text(res.measured)}."
+             + (f" {res.reused} of the {len(res.samples)} prompts were run in earlier sittings of the same run "
+                f"({JOURNAL}), and their times are those sittings'." if res.reused else ""))
     return "\n".join(L) + "\n"
 
 

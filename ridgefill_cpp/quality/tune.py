@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..core.machine import measured_on, measured_text
 from .. import __version__
 from . import metrics
 from ..core import settings
@@ -150,6 +151,7 @@ class TuneResult:
     written: str | None = None                            # the map file the defaults went into
     defaults: dict | None = None                          # what was (or would be) written
     elapsed_s: float | None = None
+    measured: dict = field(default_factory=dict)  # core.machine.measured_on: date, CPU, threads, versions
 
     @property
     def best(self) -> TunePoint | None:
@@ -326,7 +328,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     n, k = options.length, tails[0]
     res = TuneResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, budget=float(budget), options=asdict(options), sources=text_sources(texts),
-                     scored_rows=k)
+                     scored_rows=k, measured=measured_on(options.n_threads))
     res.options.update(tails=list(tails), fractions=list(fractions), spans=list(spans), key_rescales=list(key_rescales))
     res.points = [TunePoint(str(m), s, t, f, options.selector, w, c) for m, s in zip(maps, splits) for t in tails
                   for f in fractions for w in spans for c in key_rescales]
@@ -548,6 +550,7 @@ def tune_markdown(res: TuneResult, png: str | None = "pareto.png") -> str:
              + (" and every planted code exact prefill retrieves kept" if r is not None else ""))
     if res.elapsed_s is not None:
         L.append(f"- run time: {res.elapsed_s:.0f} s" if res.elapsed_s < 120 else f"- run time: {res.elapsed_s / 60:.1f} min")
+    L.append(f"- measured: {measured_text(res.measured)}")
     L.append("")
     L.append(f"ΔNLL = NLL with RidgeFill − NLL of exact prefill on the same tokens (nats): the next-token losses of "
              f"the last {res.scored_rows} prompt rows (the smallest tail of the grid, so every setting's logits "
