@@ -718,6 +718,11 @@ def test_measure_server_tool_runs_end_to_end(tiny_models, tmp_path):
         assert 0 < g["median_gap_s"] <= g["max_gap_s"]
     assert d["generation_during_prefill"]["ridgefill"]["applied"] and not d["generation_during_prefill"]["exact"]["applied"]
     assert "speedup" in run.stdout and "ceiling" in run.stdout
+    # the server's own count of each timed request: all 300 prompt rows, at a speed
+    for name in ("exact", "ridgefill"):
+        assert [t["prompt_n"] for t in d["server_timings"][name]] == [300, 300]
+        assert d["server_prompt_tok_s"][name] > 0
+    assert d["measured"]["threads"] == 1 and d["measured"]["cpu"]
 
 
 def test_measure_window_tool_runs_end_to_end(tiny_models, tmp_path):

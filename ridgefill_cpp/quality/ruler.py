@@ -213,18 +213,10 @@ class Journal:
 
     def __init__(self, path: os.PathLike | str, key: dict):
         self.path = Path(path)
+        self.key = key
         self.done: dict[tuple[str, int, int], dict] = {}
         if self.path.exists():
             self._read(key)
-        else:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "x", encoding="utf-8") as f:
-                    f.write(json.dumps({"run": key}) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as e:
-                raise ValueError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def _read(self, key: dict) -> None:
         raw = self.path.read_bytes()
@@ -251,7 +243,13 @@ class Journal:
                 f.truncate(end)
 
     def add(self, rec: dict) -> None:
+        """Append one finished prompt (the file, and its folder, are made with the first one: a run
+        that fails before any prompt finishes leaves nothing behind)."""
         try:
+            if not self.path.exists():
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "x", encoding="utf-8") as f:
+                    f.write(json.dumps({"run": self.key}) + "\n")
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()

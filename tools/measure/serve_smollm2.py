@@ -6,7 +6,10 @@ every request prefills the whole prompt); TTFT is the time from sending the requ
 streamed token at the client. Then ``--clients`` different long prompts are sent at once, all exact
 and all RidgeFill (wall time until every first token, each client's TTFT), and one client streams
 tokens while another's long prompt is prefilled (the longest pause between its tokens), as the
-concurrency figures. Prints a table and writes JSON (``--json``). Ratios are the figure on a shared machine.
+concurrency figures (``--clients 0``: none). The server's own prompt speed of each request
+(``timings.prompt_per_second``: llama.cpp's count) is kept beside the client's TTFT, so stock's tokens/s
+can be checked against ``bench``'s. Prints a table and writes JSON (``--json``, with where and when it
+ran). Ratios are the figure on a shared machine.
 
     python tools/measure/serve_smollm2.py MODEL --maps MAPS [--n-prompt 4096] [--repeats 5] [--clients 4]
 """
@@ -25,12 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ridgefill_cpp import Llama, RidgeFill  # noqa: E402  (the patched libraries first)
+from ridgefill_cpp.core.machine import measured_on  # noqa: E402
 from ridgefill_cpp.quality.bench import prompt_tokens  # noqa: E402
 from ridgefill_cpp.server.serve import Server  # noqa: E402
 
 
-def ttft(url: str, prompt: list[int], ridgefill, timeout: float = 600.0) -> tuple[float, dict | None]:
-    """Seconds to the first streamed token, and the RidgeFill statistics of the final event."""
+def ttft(url: str, prompt: list[int], ridgefill, timeout: float = 600.0, timings: list | None = None) -> tuple[float, dict | None]:
+    """Seconds to the first streamed token, and the RidgeFill statistics of the final event (its
+    ``timings``, the server's own, appended to ``timings`` when given)."""
     body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "cache_prompt": False, "stream": True,
             "ridgefill": ridgefill}
     req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
@@ -46,6 +51,8 @@ def ttft(url: str, prompt: list[int], ridgefill, timeout: float = 600.0) -> tupl
                 first = time.perf_counter() - t0
             if ev.get("stop"):
                 stats = ev.get("ridgefill")
+                if timings is not None:
+                    timings.append(ev.get("timings"))
     return (first if first is not None else time.perf_counter() - t0), stats
 
 
@@ -96,7 +103,7 @@ def main() -> int:
     ap.add_argument("--split", type=int, help="identity fill at this split (without --maps)")
     ap.add_argument("--n-prompt", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=4, help="clients of the concurrency figures (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-prompt", type=int, default=1024, help="RidgeFill's minimum prompt (rows)")
     ap.add_argument("--extra", default="", help="more llama-server arguments, space-separated")
@@ -111,28 +118,35 @@ def main() -> int:
         llm.close()
     prompt = toks[: a.n_prompt]
     others = [toks[:1] + toks[1 + 64 * i: a.n_prompt + 64 * i] for i in range(a.clients)]
-    n_ctx = a.n_prompt * a.clients + 256
-    extra = ["-c", str(n_ctx), "-np", str(a.clients), "--threads", str(a.threads), "-ngl", "0", "--no-warmup",
+    slots = max(a.clients, 1)
+    n_ctx = a.n_prompt * slots + 256
+    extra = ["-c", str(n_ctx), "-np", str(slots), "--threads", str(a.threads), "-ngl", "0", "--no-warmup",
              *a.extra.split()]
     res: dict = {"model": str(a.model), "maps": str(a.maps) if a.maps else None, "split": a.split,
-                 "n_prompt": a.n_prompt, "repeats": a.repeats, "clients": a.clients, "threads": a.threads}
+                 "n_prompt": a.n_prompt, "repeats": a.repeats, "clients": a.clients, "threads": a.threads,
+                 "measured": measured_on(a.threads)}
     with Server(a.model, rf, extra_args=extra, startup_timeout=300) as srv:
         ttft(srv.url, prompt[:256], False)  # warm-up
         times = {"exact": [], "ridgefill": []}
+        server = {"exact": [], "ridgefill": []}
         stats = None
         for _ in range(a.repeats):
             for name, value in (("exact", False), ("ridgefill", True)):
-                t, st = ttft(srv.url, prompt, value)
+                t, st = ttft(srv.url, prompt, value, timings=server[name])
                 times[name].append(t)
                 stats = st if value else stats
         res["ttft_s"] = times
         res["median_s"] = {k: statistics.median(v) for k, v in times.items()}
         res["speedup"] = res["median_s"]["exact"] / res["median_s"]["ridgefill"]
+        res["server_timings"] = server
+        res["server_prompt_tok_s"] = {k: statistics.median(t["prompt_per_second"] for t in v if t)
+                                      for k, v in server.items() if any(v)}
         res["ridgefill_stats"] = stats
-        res["concurrent"] = {"exact": concurrent(srv.url, others, False),
-                             "ridgefill": concurrent(srv.url, others, True)}
-        res["generation_during_prefill"] = {"exact": generation_gaps(srv.url, prompt, prompt[:64], False),
-                                            "ridgefill": generation_gaps(srv.url, prompt, prompt[:64], True)}
+        if a.clients:
+            res["concurrent"] = {"exact": concurrent(srv.url, others, False),
+                                 "ridgefill": concurrent(srv.url, others, True)}
+            res["generation_during_prefill"] = {"exact": generation_gaps(srv.url, prompt, prompt[:64], False),
+                                                "ridgefill": generation_gaps(srv.url, prompt, prompt[:64], True)}
     m = res["median_s"]
     print(f"TTFT, {a.model.name}, {a.n_prompt}-token prompt, median of {a.repeats} (alternating), one server:")
     print(f"  exact     {m['exact'] * 1e3:8.0f} ms   {', '.join(f'{t * 1e3:.0f}' for t in times['exact'])}")
@@ -142,10 +156,12 @@ def main() -> int:
               f"{stats['n_filled']} rows filled, {stats['n_exact']} + {stats['tail']} exact)")
     else:
         print(f"  speedup {res['speedup']:.2f}x; RidgeFill not applied: {(stats or {}).get('reason')}")
-    for name, c in res["concurrent"].items():
+    for name, tok_s in res["server_prompt_tok_s"].items():
+        print(f"  the server's own prompt speed, {name}: {tok_s:.1f} tokens/s (median of its timings.prompt_per_second)")
+    for name, c in res.get("concurrent", {}).items():
         print(f"  {a.clients} clients at once, {name}: all first tokens after {c['wall_s']:.1f} s; "
               f"TTFT {', '.join(f'{t:.1f}' for t in sorted(c['ttft_s']))} s")
-    for name, g in res["generation_during_prefill"].items():
+    for name, g in res.get("generation_during_prefill", {}).items():
         print(f"  a client streaming while another's prompt is prefilled ({name}): longest pause between tokens "
               f"{g['max_gap_s']:.1f} s (median {g['median_gap_s'] * 1e3:.0f} ms); the prompt's TTFT {g['long_ttft_s']:.1f} s")
     if a.json:
