@@ -55,10 +55,6 @@ SOURCES = {
     "eval-gemma3": Source("docs/compact-maps/eval-gemma3/results.json", "`eval`, 12 documents",
                           OLD_CPU, None, "2026-12-04"),
     "eval-qwen15": Source("docs/qwen25-coder-1.5b/eval-2k/results.json", "`eval`, 12 documents"),
-    "maps-smollm2": Source("docs/compact-maps/smollm2.json", "`fit`, map bytes",
-                           OLD_CPU, 2, "2026-12-04"),
-    "maps-gemma3": Source("docs/compact-maps/gemma3.json", "`fit`, map bytes",
-                          OLD_CPU, 2, "2026-12-04"),
     "fit-smollm2": Source("docs/bench-cpu/fit-smollm2.txt", "`fit` under `time -v`",
                           "AMD EPYC", 2, "2026-12-07"),
     "fit-gemma3": Source("docs/bench-cpu/fit-gemma3.txt", "`fit` under `time -v`",
@@ -71,6 +67,7 @@ SOURCES = {
                            OLD_CPU, None, "2026-12-06"),
     "tune-gemma3": Source("docs/tune-gemma3/chosen.json", "`tune --fit 6,...,12` then `bench` (median of 3) and `eval` (48 documents)",
                           "CPU not recorded", 2, "2026-12-06"),
+    "serve-qwen15": Source("docs/qwen25-coder-1.5b/serve-4k.json", "`serve_smollm2.py`, median of 3"),
     "serve-gemma3": Source("docs/window-gemma3/serve_window.json", "`serve_window.py`, median of 3",
                            "AMD EPYC", None, "2026-12-05"),
 }
@@ -152,11 +149,6 @@ def codes(d: dict) -> str:
     return f"{kept}/{of}"
 
 
-def q8_bytes(d: dict) -> str:
-    v = next(v for v in d["variants"] if v["name"] == "q8_0")
-    return f"{v['bytes'] / 2**20:.2f} MiB"
-
-
 def fit_txt_maps(text: str) -> str:
     m = re.search(r"^maps: (\S+), .*?, ([\d.]+) MiB", text, re.M)
     if not m:
@@ -187,13 +179,19 @@ def ruler(d: dict) -> str:
 def tuned(d: dict) -> str:
     lo, hi = d["novel_dnll_ci"]
     sp = ", ".join(f"{_k(n)} {x:.2f}x" for n, x in d["speedup"].items())
-    return (f"S = {d['split']}, {d['exact_fraction']:.0%} exact: {sp}; ΔNLL "
+    return (f"S = {d['split']}, {100 * d['exact_fraction']:.0f} % exact: {sp}; ΔNLL "
             + ci({"estimate": d["novel_dnll"], "low": lo, "high": hi}))
 
 
 def serve_window(d: dict) -> str:
     sp = "; ".join(f"{_k(n)}: {t['speedup']['RidgeFill']:.2f}x" for n, t in d["ttft"].items())
-    return f"{sp} (window-sized SWA cache)"
+    return f"{sp} (`-c {d['ctx']}`, window-sized SWA cache)"
+
+
+def serve_ttft(d: dict) -> str:
+    tok_s = (d.get("server_prompt_tok_s") or {}).get("exact")
+    return (f"{_k(d['n_prompt'])}: {d['speedup']:.2f}x"
+            + (f" (stock {tok_s:.0f} tokens/s by the server's count)" if tok_s else ""))
 
 
 #: (row label, {model: (source key, figure)}); a model without an entry shows "not measured"
@@ -204,7 +202,7 @@ ROWS: list[tuple[str, dict[str, tuple[str, Callable]]]] = [
     ("stock prefill, tokens/s on this CPU", {
         "smollm2": ("bench-smollm2", bench_stock), "gemma3": ("bench-gemma3", bench_stock),
         "qwen15": ("bench-qwen15-4k", bench_stock, "bench-qwen15-8k", "bench-qwen15-16k")}),
-    ("llama-server TTFT speed-up, `-c 32768`", {"gemma3": ("serve-gemma3", serve_window)}),
+    ("llama-server TTFT speed-up", {"gemma3": ("serve-gemma3", serve_window), "qwen15": ("serve-qwen15", serve_ttft)}),
     ("novel-token ΔNLL at 2K, Q8_0 ridge maps [95 % CI]", {
         "smollm2": ("eval-smollm2", dnll(None)), "gemma3": ("eval-gemma3", dnll(None)),
         "qwen15": ("eval-qwen15", dnll(None))}),
@@ -220,7 +218,7 @@ ROWS: list[tuple[str, dict[str, tuple[str, Callable]]]] = [
         "smollm2": ("fit-smollm2", fit_txt_time), "gemma3": ("fit-gemma3", fit_txt_time),
         "qwen15": ("fit-qwen15", fit_txt_time)}),
     ("map file (Q8_0, `fit`'s default)", {
-        "smollm2": ("maps-smollm2", q8_bytes), "gemma3": ("maps-gemma3", q8_bytes), "qwen15": ("fit-qwen15", fit_txt_maps)}),
+        "smollm2": ("fit-smollm2", fit_txt_maps), "gemma3": ("fit-gemma3", fit_txt_maps), "qwen15": ("fit-qwen15", fit_txt_maps)}),
 ]
 
 
