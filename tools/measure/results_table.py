@@ -65,7 +65,7 @@ SOURCES = {
                             OLD_CPU, None, "2026-12-06"),
     "ruler-gemma3": Source("docs/ruler/gemma3-4k/ruler.json", "`eval --ruler`, 5 prompts a task",
                            OLD_CPU, None, "2026-12-06"),
-    "tune-gemma3": Source("docs/tune-gemma3/chosen.json", "`tune --fit 6,...,12` then `bench` (median of 3) and `eval` (48 documents)",
+    "tune-gemma3": Source("docs/tune-gemma3/chosen.json", "`tune`, then `bench` and `eval` (48 documents)",
                           "CPU not recorded", 2, "2026-12-06"),
     "serve-qwen15": Source("docs/qwen25-coder-1.5b/serve-4k.json", "`serve_smollm2.py`, median of 3"),
     "serve-gemma3": Source("docs/window-gemma3/serve_window.json", "`serve_window.py`, median of 3",
@@ -191,15 +191,15 @@ def serve_window(d: dict) -> str:
 def serve_ttft(d: dict) -> str:
     tok_s = (d.get("server_prompt_tok_s") or {}).get("exact")
     return (f"{_k(d['n_prompt'])}: {d['speedup']:.2f}x"
-            + (f" (stock {tok_s:.0f} tokens/s by the server's count)" if tok_s else ""))
+            + (f" (stock {tok_s:.0f} tokens/s, the server's count)" if tok_s else ""))
 
 
 #: (row label, {model: (source key, figure)}); a model without an entry shows "not measured"
 ROWS: list[tuple[str, dict[str, tuple[str, Callable]]]] = [
-    ("TTFT speed-up against stock, of its ceiling 1/r", {
+    ("TTFT speed-up, of its ceiling 1/r", {
         "smollm2": ("bench-smollm2", bench_speed), "gemma3": ("bench-gemma3", bench_speed),
         "qwen15": ("bench-qwen15-4k", bench_speed, "bench-qwen15-8k", "bench-qwen15-16k")}),
-    ("stock prefill, tokens/s on this CPU", {
+    ("stock prefill, tokens/s", {
         "smollm2": ("bench-smollm2", bench_stock), "gemma3": ("bench-gemma3", bench_stock),
         "qwen15": ("bench-qwen15-4k", bench_stock, "bench-qwen15-8k", "bench-qwen15-16k")}),
     ("llama-server TTFT speed-up", {"gemma3": ("serve-gemma3", serve_window), "qwen15": ("serve-qwen15", serve_ttft)}),
