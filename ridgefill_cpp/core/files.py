@@ -19,6 +19,7 @@ reports of ``eval`` and ``tune``, the JSON of ``bench``) goes through :func:`ato
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -201,3 +202,12 @@ def write_bytes(path: os.PathLike | str, data: bytes, *, mode: int | None = None
         with open(tmp, "wb") as f:
             f.write(data)
     return path
+
+
+def sha256_file(path: os.PathLike | str) -> str:
+    """The hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

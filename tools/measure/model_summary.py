@@ -17,15 +17,17 @@ from pathlib import Path
 
 
 def fit_figures(text: str) -> dict:
+    """What `/usr/bin/time -v ridgefill-gguf fit` printed: ``seconds`` and ``peak_rss_mib`` (unrounded),
+    and where fit's own summary is there, ``calibration_tokens``, ``maps_mib`` and ``maps_dtype``.
+    Raises ValueError without the time figures."""
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     toks = re.search(r"^(\d+) calibration tokens", text, re.M)
     maps = re.search(r"^maps: (\S+), .*?, ([\d.]+) MiB", text, re.M)
     if not (wall and rss):
-        raise SystemExit("--fit: no /usr/bin/time -v figures in the file")
+        raise ValueError("no /usr/bin/time -v figures in the fit output")
     parts = [float(x) for x in wall.group(1).split(":")]
-    out = {"seconds": round(sum(p * 60 ** i for i, p in enumerate(reversed(parts))), 1),
-           "peak_rss_mib": round(int(rss.group(1)) / 1024, 1)}
+    out = {"seconds": sum(p * 60 ** i for i, p in enumerate(reversed(parts))), "peak_rss_mib": int(rss.group(1)) / 1024}
     if toks:
         out["calibration_tokens"] = int(toks.group(1))
     if maps:
@@ -69,7 +71,11 @@ def main() -> int:
     if a.cpu or measured:
         res["cpu"] = a.cpu or f"{measured['cpu']}, {measured['cores']} cores, {measured['threads']} threads"
     if a.fit:
-        res["fit"] = fit_figures(a.fit.read_text())
+        try:
+            fit = fit_figures(a.fit.read_text())
+        except ValueError as e:
+            raise SystemExit(f"--fit {a.fit}: {e}") from None
+        res["fit"] = {**fit, "seconds": round(fit["seconds"], 1), "peak_rss_mib": round(fit["peak_rss_mib"], 1)}
     if a.bench:
         res["speedup"] = {}
         for p in a.bench:
