@@ -45,6 +45,49 @@ SELECTOR_NAMES = f"{', '.join(list(settings.SELECTORS)[:-1])} or {list(settings.
 CLASS_NAMES = "+".join(settings.TOKEN_CLASSES)
 
 
+#: help of ``--n-gpu-layers`` (fit, bench, eval, tune, demo)
+GPU_LAYERS_HELP = ("Layers to offload to a GPU, as llama.cpp's -ngl: a number, or all (default 0: every layer on the "
+                   "CPU). A build without a GPU backend (ridgefill-gguf --version lists the backends) runs every layer "
+                   "on the CPU and says so.")
+
+
+def gpu_layers_option():
+    """``--n-gpu-layers`` / ``-ngl``, the same on every command that loads a model for computing."""
+    return typer.Option(None, "--n-gpu-layers", "-ngl", metavar="N|all", help=GPU_LAYERS_HELP)
+
+
+def parse_gpu_layers(value: Optional[str]) -> int:
+    """``--n-gpu-layers`` as llama-cpp-python's ``n_gpu_layers`` takes it: N >= 0, or -1 for ``all``
+    (None: 0). Offloading on a build without a GPU backend is allowed, as in llama.cpp, with a note
+    on stderr that the layers stay on the CPU."""
+    if value is None:
+        return 0
+    text = value.strip().lower()
+    if text == "all":
+        n = -1
+    else:
+        try:
+            n = int(text)
+        except ValueError:
+            n = -2
+        if n < 0:
+            fail(f"--n-gpu-layers must be a number of layers (0 or more) or all, not {value!r}")
+    if n != 0:
+        from ..core.native import build_info
+
+        backends = build_info().get("backends") or []
+        if not gpu_backends(backends):
+            err.print(f"note: --n-gpu-layers {value}: this build has no GPU backend (backends: {', '.join(backends)}), "
+                      "so every layer runs on the CPU", highlight=False, soft_wrap=True)
+    return n
+
+
+def gpu_backends(backends: list[str]) -> list[str]:
+    """The backends of a build that offload to a GPU (CUDA, Metal, Vulkan, ...): all but the CPU, BLAS
+    and RPC (layers on other machines, given with rpc_servers, not with --n-gpu-layers)."""
+    return [b for b in backends if b.upper() not in ("CPU", "BLAS", "RPC")]
+
+
 def fail(msg: str, code: int = 1) -> None:
     """Print ``error: msg`` on stderr and end the command with exit status ``code`` (no traceback)."""
     err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)

@@ -13,7 +13,8 @@ from ..core import settings
 from ..core.limits import MAX_THREADS
 from ..core.machine import measured_text
 from .app import (CLASS_NAMES, SELECTOR_NAMES, app, check_output_file, check_prefill_args, csv, err, fail,
-                  given_options, out, print_timing_warnings, resolve_operating_point, tuned_help)
+                  given_options, gpu_layers_option, out, parse_gpu_layers, print_timing_warnings,
+                  resolve_operating_point, tuned_help)
 
 
 @app.command("bench")
@@ -34,6 +35,7 @@ def bench(
     greedy_tokens: Optional[int] = typer.Option(None, "--greedy-tokens", min=0, help=f"Greedy continuation length compared with stock's (0: none; default {settings.BENCH_GREEDY_TOKENS})."),
     repeats: Optional[int] = typer.Option(None, "--repeats", "-r", min=1, help=f"Timed prefills per variant and length (median reported; default {settings.BENCH_REPEATS})."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (the same for every variant)."),
+    gpu_layers: Optional[str] = gpu_layers_option(),
     n_batch: Optional[int] = typer.Option(None, "--n-batch", min=1, help=f"llama.cpp batch (and ubatch) size (default {settings.N_BATCH})."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing and quality figure to this JSON file."),
 ) -> None:
@@ -51,6 +53,7 @@ def bench(
 
     tail, exact_fraction, selector, key_rescale = resolve_operating_point(maps, tail, exact_fraction, selector, key_rescale)
     ns = check_prefill_args(model, lengths, selector)
+    n_gpu_layers = parse_gpu_layers(gpu_layers)
     if json_out is not None:
         check_output_file(json_out)
     with Progress(TextColumn("timing prefill"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=err) as bar:
@@ -58,7 +61,7 @@ def bench(
         try:
             res = benchmark_prefill(model, maps=maps, split=split, tail=tail, exact_fraction=exact_fraction,
                                     selector=selector, key_rescale=key_rescale, identity=identity,
-                                    first_layers=first_layers, n_threads=threads,
+                                    first_layers=first_layers, n_threads=threads, n_gpu_layers=n_gpu_layers,
                                     progress=lambda d, t: bar.update(task, completed=d, total=t),
                                     **given_options(lengths=ns, value_rescale=value_rescale, min_prompt=min_prompt,
                                                     greedy_tokens=greedy_tokens, repeats=repeats, n_batch=n_batch))

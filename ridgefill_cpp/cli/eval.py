@@ -12,8 +12,8 @@ from rich.table import Table
 from ..core import settings
 from ..core.limits import MAX_THREADS
 from .app import (SELECTOR_NAMES, app, check_output_dir, check_prefill_args, csv, err, fail,
-                  given_options, number_list, out, print_timing_warnings, read_text_option,
-                  resolve_operating_point, tuned_help)
+                  given_options, gpu_layers_option, number_list, out, parse_gpu_layers, print_timing_warnings,
+                  read_text_option, resolve_operating_point, tuned_help)
 
 T = TypeVar("T")
 
@@ -41,6 +41,7 @@ def eval_cmd(
     retrieval_prompts: Optional[int] = typer.Option(None, "--retrieval-prompts", min=1, help="Retrieval prompts per depth, each with other names and codes (default 2)."),
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
+    gpu_layers: Optional[str] = gpu_layers_option(),
     swa_full: bool = typer.Option(True, "--swa-full/--no-swa-full", help="Models with sliding-window layers (gemma3, gpt-oss): every variant on a full-size KV cache (libllama's default) or on a window-sized one (llama-server's default, with --no-swa-full)."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json; with --ruler: ruler.md, ruler.png, ruler.json, and ruler.samples.jsonl, each finished prompt as it finishes: run again with the same --out to go on after an interruption or with more --samples, tasks or lengths)."),
     ruler: bool = typer.Option(False, "--ruler", help="Run RULER's synthetic tasks instead (needles, variable tracking, common and frequent words): each prompt with exact prefill and with each --maps file, scored as RULER scores them, paired (docs/ruler)."),
@@ -62,7 +63,9 @@ def eval_cmd(
     key_rescale = key_rescale or None  # 0: no such variant
     ns = check_prefill_args(model, lengths, selector)
     check_output_dir(out_dir, "--out")
-    kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads, codes=codes,
+    n_gpu_layers = parse_gpu_layers(gpu_layers)
+    kw = dict(tail=tail, exact_fraction=exact_fraction, selector=selector, splice=splice, n_threads=threads,
+              n_gpu_layers=n_gpu_layers, codes=codes,
               swa_full=swa_full, selectors=tuple(x.strip() for x in selectors.split(",") if x.strip()),
               queries=tuple(number_list(queries, "--queries", int)) if queries else (),
               **given_options(lengths=ns, n_docs=docs, value_rescale=value_rescale, key_rescale=key_rescale,
@@ -75,7 +78,8 @@ def eval_cmd(
         given = [f"--{k.replace('_', '-')}" for k, v in others.items() if v is not None]
         if given:
             fail(f"{', '.join(given)}: only the standard evaluation takes {'these' if len(given) > 1 else 'this'}, not --ruler")
-        return eval_ruler(model, maps, ns, text, ruler_tasks, samples, ruler_identity, threads, swa_full, out_dir,
+        return eval_ruler(model, maps, ns, text, ruler_tasks, samples, ruler_identity, threads, n_gpu_layers, swa_full,
+                          out_dir,
                           dict(tail=tail, exact_fraction=exact_fraction, selector=selector, key_rescale=key_rescale or 0,
                                value_rescale=settings.VALUE_RESCALE if value_rescale is None else value_rescale))
     if ruler_tasks is not None or samples != settings.RULER_SAMPLES or ruler_identity:
@@ -107,8 +111,8 @@ def eval_cmd(
 
 
 def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text: Optional[list[Path]],
-               tasks: Optional[str], samples: int, identity: bool, threads: Optional[int], swa_full: bool,
-               out_dir: Path, point: dict) -> None:
+               tasks: Optional[str], samples: int, identity: bool, threads: Optional[int], n_gpu_layers: int,
+               swa_full: bool, out_dir: Path, point: dict) -> None:
     """``eval --ruler``: RULER's tasks with exact prefill, each map file at its split (and identity
     fill at the first one's), one operating point; the report into ``out_dir``."""
     from ..maps.mapfile import MapFileError, map_file_splits
@@ -128,7 +132,8 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
             conditions[f"ridge S={split}"] = RidgeFill(path, split=split, **fill)
         if identity:
             conditions[f"identity S={splits[0]}"] = RidgeFill(None, split=splits[0], **fill)
-        options = RulerOptions(**given_options(lengths=lengths), samples=samples, n_threads=threads, swa_full=swa_full,
+        options = RulerOptions(**given_options(lengths=lengths), samples=samples, n_threads=threads,
+                               n_gpu_layers=n_gpu_layers, swa_full=swa_full,
                                **({"tasks": tuple(x.strip() for x in tasks.split(",") if x.strip())} if tasks else {}))
         options.check()
     except ValueError as e:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (app, check_output_file, err, fail,
-                  number_list, out)
+from .app import (app, check_output_file, err, fail, gpu_layers_option,
+                  number_list, out, parse_gpu_layers)
 from .show import quality_table
 
 
@@ -54,6 +54,7 @@ def fit(
         "identity", "--rank-form", help="With --rank or --rank-share: identity (A = I + U Vᵀ, a low-rank correction of "
                                         "identity fill) or plain (A = U Vᵀ)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads for llama.cpp."),
+    gpu_layers: Optional[str] = gpu_layers_option(),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
     state_gains: Optional[bool] = typer.Option(
         None, "--state-gains/--no-state-gains",
@@ -70,7 +71,24 @@ def fit(
 ) -> None:
     """Fit one closed-form ridge map per late layer from llama.cpp's own hidden states on calibration
     text, and write them as a GGUF side file (docs/design.md §7). For hybrid models, also the terminal-state
-    gains (--state-gains)."""
+    gains (--state-gains). After the first windows it says how long the fit will take and the memory it
+    will need."""
+    run_fit(model, calibration, output=output, split=split, tokens=tokens, ctx=ctx, objective=objective, dtype=dtype,
+            rank=rank, rank_share=rank_share, rank_form=rank_form, threads=threads,
+            n_gpu_layers=parse_gpu_layers(gpu_layers), force=force,
+            state_gains=state_gains, state_gain_windows=state_gain_windows)
+
+
+def run_fit(model: Path, calibration: Optional[list[Path]], *, output: Optional[Path] = None, split: Optional[str] = None,
+            tokens: Optional[int] = None, ctx: Optional[str] = None, objective: str = "normalized",
+            dtype: Optional[str] = None, rank: Optional[int] = None, rank_share: Optional[float] = None,
+            rank_form: str = "identity", threads: Optional[int] = None, n_gpu_layers: int = 0,
+            force: bool = False, state_gains: Optional[bool] = None,
+            state_gain_windows: int = settings.FIT_STATE_GAIN_WINDOWS,
+            later: Optional[Callable[[float], tuple[str, float]]] = None) -> None:
+    """``fit`` with its options (None: the default); also ``tune --fit``'s fit. ``later(tokens_per_s)``
+    adds the work that follows the fit to the estimate: (what it is, its seconds at the capture's
+    speed)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from ..fitting import corpus
@@ -146,7 +164,7 @@ def fit(
         source = corpus.default_source_description("calibration")
         documents = lambda: corpus.default_documents("calibration")  # noqa: E731
     opts = FitOptions(objective=objective, n_tokens=tokens, ctx=lengths[0] if len(lengths) == 1 else tuple(lengths),
-                      n_threads=threads)
+                      n_threads=threads, n_gpu_layers=n_gpu_layers)
     with Progress(TextColumn("capturing hidden states"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.completed:>8.0f} tokens  {task.fields[rate]}"), TimeRemainingColumn(),
                   console=err, transient=False) as bar:
@@ -157,8 +175,12 @@ def fit(
             rate = done / max(time.perf_counter() - t_start, 1e-9)
             bar.update(task, completed=done, total=total, rate=f"{rate:,.0f} tok/s")
 
+        def estimate(est) -> None:
+            bar.console.print(estimate_text(est, len(splits), later), highlight=False, soft_wrap=True)
+
         try:
-            results = fit_ridge_maps_for_splits(model, docs, splits, opts, source=source, progress=progress)
+            results = fit_ridge_maps_for_splits(model, docs, splits, opts, source=source, progress=progress,
+                                                on_estimate=estimate)
         except FitError as e:
             fail(str(e))
     for res, path in zip(results, outputs):
@@ -182,7 +204,7 @@ def fit(
         out.print(f"wrote {path}", highlight=False)
         if m.split_layer in gain_splits:
             _fit_state_gains_into(model, path, documents(), tokens=tokens, ctx=ctx, max_windows=state_gain_windows,
-                                  threads=threads)
+                                  threads=threads, n_gpu_layers=n_gpu_layers)
 
 
 def maps_path_template(model: Path, several: bool = True) -> str:
@@ -192,8 +214,41 @@ def maps_path_template(model: Path, several: bool = True) -> str:
     return str(model.with_name(f"{stem}.S{{split}}.ridgefill.gguf" if several else f"{stem}.ridgefill.gguf"))
 
 
+def estimate_text(est, n_splits: int, later: Optional[Callable[[float], tuple[str, float]]] = None) -> str:
+    """The estimate ``fit`` prints after its first windows (a :class:`ridgefill_cpp.fitting.fit.FitEstimate`),
+    with ``later``'s work after it; a warning beyond an hour, with what would shorten it."""
+    what, later_s = later(est.tokens_per_s) if later else ("", 0.0)
+    total = est.total_s + later_s
+    text = (f"estimate: the fit takes about {duration(est.total_s)} (capture of {est.tokens:,} tokens at "
+            f"{est.tokens_per_s:,.0f} tokens/s: {duration(est.capture_s)}; solve of {n_splits} split"
+            f"{'s' if n_splits > 1 else ''}: {duration(est.solve_s)})"
+            + (f", then {what}: about {duration(later_s)}, {duration(total)} in all" if later else "")
+            + f"; peak memory about {est.peak_bytes / 2**30:.1f} GiB ({est.rss_bytes / 2**30:.1f} GiB resident now)")
+    if total > 3600:
+        short = max(10_000, int(round(est.tokens / 4, -3)))  # a quarter of the budget
+        cut = est.capture_s * (1 - short / est.tokens) if est.tokens > short else 0
+        advice = (f"a smaller calibration budget (--{'fit-' if later else ''}tokens {short:,} saves about "
+                  f"{duration(cut)})" if cut > 0 else "")
+        if later:
+            advice += ((" or " if advice else "") + "a smaller grid (fewer splits in --fit; fewer --tails, --fractions, "
+                       "--spans or --key-rescales; fewer --docs)")
+        text += ("\n[bold yellow]warning:[/] more than an hour on this machine"
+                 + (f": {advice} would shorten it" if advice else ""))
+    return text
+
+
+def duration(seconds: float) -> str:
+    """A duration for a person: "45 s", "17 min", "1 h 52 min"."""
+    s = int(round(seconds))
+    if s < 90:
+        return f"{s} s"
+    if s < 5400:
+        return f"{round(s / 60)} min"
+    return f"{s // 3600} h {round(s % 3600 / 60)} min"
+
+
 def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ctx: int, max_windows: int,
-                          threads: Optional[int]) -> None:
+                          threads: Optional[int], n_gpu_layers: int = 0) -> None:
     """fit --state-gains (:func:`ridgefill_cpp.fitting.state_gains.fit_state_gains_into`), with a progress bar and a table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -205,7 +260,7 @@ def _fit_state_gains_into(model: Path, path: Path, documents, *, tokens: int, ct
         task = bar.add_task("gains", total=None)
         try:
             gains, plan = fit_state_gains_into(model, path, documents, n_tokens=tokens, ctx=ctx, max_windows=max_windows,
-                                               n_threads=threads,
+                                               n_threads=threads, n_gpu_layers=n_gpu_layers,
                                                progress=lambda done, total: bar.update(task, completed=done, total=total))
         except FitError as e:
             fail(f"state gains: {e} (the maps in {path} are written, without gains)")

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (SELECTOR_NAMES, app, check_output_dir, csv, err, fail,
-                  given_options, number_list, out, print_timing_warnings, read_text_option)
+from .app import (SELECTOR_NAMES, app, check_output_dir, csv, err, fail, gpu_layers_option,
+                  given_options, number_list, out, parse_gpu_layers, print_timing_warnings, read_text_option)
 
 
 @app.command("tune")
@@ -34,6 +34,7 @@ def tune_cmd(
     value_rescale: Optional[int] = typer.Option(None, "--value-rescale", min=0, help=f"c: tail rows the value scale is measured on (0: off), the same for every setting (default {settings.VALUE_RESCALE})."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Held-out text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
+    gpu_layers: Optional[str] = gpu_layers_option(),
     strict: bool = typer.Option(False, "--strict", help="Feasible only when the 95 % CI's upper bound (not the point estimate) is within the budget."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure and choose, but write no map file: nothing into the chosen one, and with --fit no fitted one (it says which it would fit, and tunes over the map files already there)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write pareto.png, tune.json and tune.md into this directory."),
@@ -65,8 +66,14 @@ def tune_cmd(
         fail("give the map files to tune (--maps, from `fit`) or the splits to fit first (--fit)")
     if out_dir is not None:
         check_output_dir(out_dir, "--out")
+    n_gpu_layers = parse_gpu_layers(gpu_layers)
+    options = TuneOptions(n_threads=threads, n_gpu_layers=n_gpu_layers, strict=strict,
+                          **given_options(tails=ts and tuple(ts), fractions=fs and tuple(fs), spans=ws and tuple(ws),
+                                          key_rescales=cs and tuple(cs),
+                                          selector=selector, length=length, n_docs=docs, value_rescale=value_rescale,
+                                          retrieval_prompts=retrieval_prompts, codes=codes))
     maps = list(maps or []) + ([] if fit_splits is None else
-                               _fit_first(model, fit_splits, fit_tokens, threads, maps or [], dry_run))
+                               _fit_first(model, fit_splits, fit_tokens, threads, maps or [], dry_run, options))
     if not maps:  # a dry run of --fit with none of its map files there yet
         out.print("dry run: no map file to tune over until they are fitted (run without --dry-run to fit them); "
                   "nothing was written", highlight=False, soft_wrap=True)
@@ -77,11 +84,6 @@ def tune_cmd(
         except OutputPathError as e:
             fail(f"--maps: {e}")
     texts = read_text_option(text, "held-out text")
-    options = TuneOptions(n_threads=threads, strict=strict,
-                          **given_options(tails=ts and tuple(ts), fractions=fs and tuple(fs), spans=ws and tuple(ws),
-                                          key_rescales=cs and tuple(cs),
-                                          selector=selector, length=length, n_docs=docs, value_rescale=value_rescale,
-                                          retrieval_prompts=retrieval_prompts, codes=codes))
     failure = None
     with Progress(TextColumn("tuning: {task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                   console=err) as bar:
@@ -138,15 +140,15 @@ def tune_cmd(
 
 
 def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[int], given: list[Path],
-               dry_run: bool) -> list[Path]:
+               dry_run: bool, options) -> list[Path]:
     """tune --fit: the map files of the splits in spec, beside the model; the missing ones fitted now
-    (``fit``, one capture pass), the ones there checked and used. Everything is checked before
-    anything is said or done; a dry run fits nothing, says which files it would fit and returns
-    only the ones there."""
+    (``fit``, one capture pass, whose estimate adds the tune over every map file, ``options``), the
+    ones there checked and used. Everything is checked before anything is said or done; a dry run
+    fits nothing, says which files it would fit and returns only the ones there."""
     from ..core.gguf_model import GGUFFileError, read_model_info
     from ..fitting.fit import FitError, check_split
     from ..maps.mapfile import MapFileError, fitting_map_metas
-    from .fit import fit, maps_path_template
+    from .fit import maps_path_template, run_fit
 
     try:
         info = read_model_info(model)
@@ -188,10 +190,12 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
         return [p for _, p in there]
     if todo:
         out.print(f"--fit: fitting maps for S = {', '.join(str(s) for s, _ in todo)} (one capture pass)", highlight=False)
-        fit(model=model, calibration=None, output=Path(template), split=",".join(str(s) for s, _ in todo), tokens=tokens,
-            ctx=None, objective="normalized", dtype=None, rank=None, rank_share=None, rank_form="identity",
-            threads=threads, force=False, state_gains=None,
-            state_gain_windows=settings.FIT_STATE_GAIN_WINDOWS)
+        n_maps = len(paths) + len(given)
+        grid = (f"the tune over {options.n_points(n_maps)} settings ({options.prefill_tokens(n_maps):,} prompt tokens "
+                "at the capture's speed)")
+        run_fit(model, None, output=Path(template), split=",".join(str(s) for s, _ in todo), tokens=tokens,
+                threads=threads, n_gpu_layers=options.n_gpu_layers,
+                later=lambda tokens_per_s: (grid, options.prefill_tokens(n_maps) / tokens_per_s))
     return paths
 
 

@@ -22,9 +22,10 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def measured_on(n_threads: int | None) -> dict:
-    """``{"date", "cpu", "cores", "threads", "os", "ridgefill_cpp", "llama_cpp", "patchset", "backends"}``:
-    ``threads`` are the prefill's (llama-cpp-python uses every core when none are given)."""
+def measured_on(n_threads: int | None, n_gpu_layers: int = 0) -> dict:
+    """``{"date", "cpu", "cores", "threads", "os", "ridgefill_cpp", "llama_cpp", "patchset", "backends",
+    "n_gpu_layers"}``: ``threads`` are the prefill's (llama-cpp-python uses every core when none are
+    given); ``n_gpu_layers`` the layers offloaded (-1: all; offloaded only where ``backends`` has a GPU)."""
     from .. import __version__
     from .native import build_info
 
@@ -35,7 +36,8 @@ def measured_on(n_threads: int | None) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_name(),
             "cores": os.cpu_count(), "threads": n_threads or os.cpu_count(),
             "os": f"{platform.system()} {platform.machine()}", "ridgefill_cpp": __version__,
-            "llama_cpp": info.get("llama_cpp_commit"), "patchset": info.get("patchset"), "backends": info.get("backends")}
+            "llama_cpp": info.get("llama_cpp_commit"), "patchset": info.get("patchset"), "backends": info.get("backends"),
+            "n_gpu_layers": n_gpu_layers}
 
 
 def measured_text(m: dict) -> str:
@@ -46,4 +48,10 @@ def measured_text(m: dict) -> str:
     backends = [b for b in (m.get("backends") or []) if b != "RPC"]
     return (f"{m.get('date')}, {m.get('cpu')} ({m.get('cores')} cores), {m.get('threads')} threads, "
             f"ridgefill-cpp {m.get('ridgefill_cpp')}, llama.cpp {m.get('llama_cpp')}"
-            + (f", {'/'.join(backends)} backend{'s' if len(backends) > 1 else ''}" if backends else ""))
+            + (f", {'/'.join(backends)} backend{'s' if len(backends) > 1 else ''}" if backends else "")
+            + (f", {gpu_layers_text(m['n_gpu_layers'])} offloaded" if m.get("n_gpu_layers") else ""))
+
+
+def gpu_layers_text(n_gpu_layers: int) -> str:
+    """``-ngl``'s value in words: "all layers", "12 layers"."""
+    return "all layers" if n_gpu_layers < 0 else f"{n_gpu_layers} layer{'s' if n_gpu_layers != 1 else ''}"

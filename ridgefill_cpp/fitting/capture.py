@@ -29,9 +29,12 @@ class CaptureResult:
 
 
 def open_model(model_path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_ubatch: int | None = None,
-               kv_f32: bool = True, flash_attn: bool = True, n_threads: int | None = None, **kwargs):
+               kv_f32: bool = True, flash_attn: bool = True, n_threads: int | None = None, n_gpu_layers: int = 0,
+               **kwargs):
     """A llama-cpp-python ``Llama`` on the patched library, quiet, ready for capture (``ridgefill=...``
-    in `kwargs` attaches RidgeFill, :class:`ridgefill_cpp.runtime.prefill.Llama`)."""
+    in `kwargs` attaches RidgeFill, :class:`ridgefill_cpp.runtime.prefill.Llama`). ``n_gpu_layers``:
+    the layers offloaded to a GPU, as llama.cpp's ``-ngl`` (-1: all; a build without a GPU backend
+    runs them on the CPU); a captured layer input is copied to the host wherever it was computed."""
     return Llama(
         model_path=str(model_path),
         n_ctx=n_ctx,
@@ -42,6 +45,7 @@ def open_model(model_path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_uba
         flash_attn=flash_attn,
         n_threads=n_threads,
         n_threads_batch=n_threads,
+        n_gpu_layers=n_gpu_layers,
         verbose=False,
         **kwargs,
     )
@@ -58,6 +62,7 @@ def capture_layer_inputs(
     kv_f32: bool = True,
     flash_attn: bool = True,
     n_threads: int | None = None,
+    n_gpu_layers: int = 0,
     all_logits: bool = False,
 ) -> CaptureResult:
     """Run ``tokens`` through llama.cpp and return the inputs of ``layers`` (default: all) for every row.
@@ -74,7 +79,8 @@ def capture_layer_inputs(
     if len(tokens) > n_ctx:
         raise ValueError(f"capture_layer_inputs: {len(tokens)} tokens do not fit the context ({n_ctx})")
     llm = open_model(model_path, n_ctx=n_ctx, n_batch=chunk, n_ubatch=min(n_ubatch or chunk, chunk),
-                     kv_f32=kv_f32, flash_attn=flash_attn, n_threads=n_threads, logits_all=all_logits)
+                     kv_f32=kv_f32, flash_attn=flash_attn, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                     logits_all=all_logits)
     try:
         ctx = llm._ctx.ctx
 

@@ -83,6 +83,7 @@ class FitOptions:
     holdout_every: int = 10  # every k-th window is held out
     max_heldout_rows: int = 4096
     n_threads: int | None = None
+    n_gpu_layers: int = 0  # layers offloaded to a GPU for the capture (-1: all), as llama.cpp's -ngl
     lambda_grid: Sequence[float] = LAMBDA_GRID
 
 
@@ -92,6 +93,80 @@ class FitTimings:
     accumulate_s: float = 0.0  # statistics (torch, float64)
     solve_s: float = 0.0
     tokenize_s: float = 0.0
+
+
+@dataclass
+class FitEstimate:
+    """What a fit will take, said after its first windows (:func:`fit_ridge_maps_for_splits`'s
+    ``on_estimate``): the capture at the speed measured so far, the solve from a timed float64 product
+    on this machine, and the memory the statistics, held-out rows and solve add to what is resident."""
+
+    tokens: int           # calibration tokens of the plan
+    tokens_per_s: float   # capture and statistics together, measured on the windows after the first
+    capture_s: float      # the whole capture at that speed (the windows done included)
+    solve_s: float        # the solve of every split
+    rss_bytes: int        # resident now (the model, llama.cpp's buffers, the statistics)
+    peak_bytes: int       # expected peak
+
+    @property
+    def total_s(self) -> float:
+        return self.capture_s + self.solve_s
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS; the peak so far where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def float64_flops_per_s(d: int) -> float:
+    """Float64 multiply speed of this machine (torch, its threads) on a d×d product, the solve's kind of work."""
+    a = torch.randn(d, d, dtype=torch.float64)
+    a @ a  # warm-up
+    t0 = time.perf_counter()
+    a @ a
+    return 2.0 * d**3 / max(time.perf_counter() - t0, 1e-6)
+
+
+def solve_flops(d: int, n_late: int, n_held: int) -> float:
+    """Floating-point operations of one split's solve (:func:`select_and_solve` and the held-out
+    quality): the eigendecomposition of Cxx (~9 d³), and per late layer three d×d products and four
+    products of the held-out rows with d×d matrices."""
+    return 9.0 * d**3 + n_late * (6.0 * d**3 + 4.0 * n_held * d * d)
+
+
+def expected_peak_bytes(rss: int, d: int, splits: Sequence[tuple[int, int, int]]) -> int:
+    """The peak a fit reaches from ``rss`` resident now: ``splits`` holds per split (late layers, held-out
+    rows still to come, held-out rows in all). Each split's held-out rows grow as float64 (input and
+    late layers); its solve keeps the maps (float32) and float32 copies of the held-out rows (the
+    calibration :func:`compact_result` uses), and needs while it runs about eight d×d and four
+    held-out-sized float64 arrays; the storage type's quantizer then works on one split's maps."""
+    growth = sum(todo * d * (n_late + 1) * 8 for n_late, todo, _ in splits)
+    kept = sum(n_late * d * (d + 1) * 4 + held * d * (n_late + 1) * 4 + d * d * 8 for n_late, _, held in splits)
+    transient = max(8 * d * d * 8 + 4 * held * d * 8 + n_late * d * d * 4 for n_late, _, held in splits)
+    return int(rss + growth + kept + transient)
+
+
+def _estimate(plan: Sequence[Window], n_done: int, first_s: float, since_first_s: float,
+              accs: Sequence["_SplitAccumulator"], d: int, held_total: int) -> FitEstimate:
+    """The :class:`FitEstimate` of a fit whose first ``n_done`` windows of ``plan`` are done: the
+    first (with the model's loading) in ``first_s``, the others in ``since_first_s``."""
+    rate = sum(w.n_tokens for w in plan[1:n_done]) / max(since_first_s, 1e-9)
+    flops = sum(solve_flops(d, len(acc.layers), held_total) for acc in accs)
+    rss = resident_bytes()
+    return FitEstimate(tokens=sum(w.n_tokens for w in plan), tokens_per_s=rate,
+                       capture_s=first_s + sum(w.n_tokens for w in plan[1:]) / rate,
+                       solve_s=flops / float64_flops_per_s(d), rss_bytes=rss,
+                       peak_bytes=expected_peak_bytes(rss, d, [(len(acc.layers), held_total - acc.n_held, held_total)
+                                                               for acc in accs]))
 
 
 @dataclass
@@ -116,6 +191,10 @@ class FitResult:
     calibration: Calibration | None = field(default=None, repr=False)
     #: the storage type the quality figures were measured at ("" : the fitted float values)
     dtype: str = ""
+
+
+#: windows after which a fit says what it will take (the first one's warm-up is not counted)
+ESTIMATE_AFTER_WINDOWS = 3
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -282,9 +361,10 @@ def calibration_tokens(llm, documents: Iterable[Document], budget: int) -> list[
 class _WindowCapture:
     """Decode calibration windows with llama.cpp and hand back the captured layer inputs."""
 
-    def __init__(self, model_path, layers: Sequence[int], ctx: int, n_threads: int | None):
+    def __init__(self, model_path, layers: Sequence[int], ctx: int, n_threads: int | None, n_gpu_layers: int = 0):
         try:
-            self.llm = capture.open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads)
+            self.llm = capture.open_model(model_path, n_ctx=ctx, n_batch=ctx, n_threads=n_threads,
+                                          n_gpu_layers=n_gpu_layers)
         except ValueError as e:
             if "llama_context" not in str(e):
                 raise
@@ -397,11 +477,14 @@ def fit_ridge_maps_for_splits(
     *,
     source: str = "",
     progress: Callable[[int, int], None] | None = None,
+    on_estimate: Callable[[FitEstimate], None] | None = None,
 ) -> list[FitResult]:
     """Maps for several splits from one capture pass (layers min(S)..L-1 are captured once).
 
     Each split's maps equal those of a separate :func:`fit_ridge_maps` run on the same text
-    (``options.split`` is ignored here; None in ``splits`` is the default split).
+    (``options.split`` is ignored here; None in ``splits`` is the default split). ``on_estimate``
+    gets what the whole fit will take once, after the first :data:`ESTIMATE_AFTER_WINDOWS` windows
+    (not for a fit of fewer windows).
     """
     opt = options or FitOptions()
     info = read_model_info(model_path)
@@ -428,8 +511,9 @@ def fit_ridge_maps_for_splits(
     captured = list(range(min(splits), L))
 
     timings = FitTimings()
+    t_start = time.perf_counter()
     accs = [_SplitAccumulator(s, L, d) for s in splits]
-    cap = _WindowCapture(model_path, captured, lengths[-1], opt.n_threads)
+    cap = _WindowCapture(model_path, captured, lengths[-1], opt.n_threads, opt.n_gpu_layers)
     try:
         t0 = time.perf_counter()
         tokens = calibration_tokens(cap.llm, documents, opt.n_tokens)
@@ -449,7 +533,9 @@ def fit_ridge_maps_for_splits(
                 f"i.e. about {len(lengths) * max(shortest, lengths[-1] - n_bos)} tokens"
             )
         n_planned = sum(w.n_tokens for w in plan)
-        for w in plan:
+        held_total = min(opt.max_heldout_rows, sum(w.n_tokens + n_bos - opt.skip_rows for w in plan if w.heldout))
+        t_first = None  # the end of the first window: its warm-up is left out of the speed
+        for k, w in enumerate(plan):
             t0 = time.perf_counter()
             states = cap.run(tokens[w.start:w.start + w.n_tokens], opt.skip_rows)
             t1 = time.perf_counter()
@@ -460,6 +546,11 @@ def fit_ridge_maps_for_splits(
             timings.accumulate_s += time.perf_counter() - t1
             if progress:
                 progress(w.start + w.n_tokens, n_planned)
+            if k == 0:
+                t_first = time.perf_counter()
+            elif k + 1 == ESTIMATE_AFTER_WINDOWS and on_estimate is not None and len(plan) > k + 1:
+                on_estimate(_estimate(plan, k + 1, t_first - t_start, time.perf_counter() - t_first, accs, d,
+                                      held_total))
     finally:
         cap.close()
 
@@ -569,6 +660,7 @@ def evaluate_maps(
     *,
     n_tokens: int = 20_000,
     n_threads: int | None = None,
+    n_gpu_layers: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Median relative error of the predicted layer input on ``documents`` (e.g. evaluation text):
@@ -576,7 +668,7 @@ def evaluate_maps(
     Uses the calibration windowing of the map file (window length, the longest of mixed lengths;
     skipped sink rows)."""
     meta = maps.meta
-    cap = _WindowCapture(model_path, [meta.split_layer] + list(meta.layers), meta.calib_ctx, n_threads)
+    cap = _WindowCapture(model_path, [meta.split_layer] + list(meta.layers), meta.calib_ctx, n_threads, n_gpu_layers)
     errs: dict[int, list[torch.Tensor]] = {il: [] for il in meta.layers}
     id_errs: dict[int, list[torch.Tensor]] = {il: [] for il in meta.layers}
     try:

@@ -64,7 +64,8 @@ def _ssm_part(state: np.ndarray, n_v: int, s_v: int, what: str) -> np.ndarray:
 def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, windows: Sequence[Sequence[int]], *,
                     tail: int = settings.TAIL, fraction: float = settings.EXACT_FRACTION,
                     selector: str = settings.SELECTOR, value_rescale: int = settings.VALUE_RESCALE,
-                    n_threads: int | None = None, progress: Callable[[int, int], None] | None = None,
+                    n_threads: int | None = None, n_gpu_layers: int = 0,
+                    progress: Callable[[int, int], None] | None = None,
                     on_pair: Callable[[int, dict[int, np.ndarray], dict[int, np.ndarray]], None] | None = None,
                     ) -> list[int]:
     """Measure each window's exact and filled boundary states of every late recurrent layer and hand
@@ -91,7 +92,7 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
     total, done = 2 * len(windows), 0
 
     exact_states: list[dict[int, np.ndarray]] = []
-    llm = capture.open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads)
+    llm = capture.open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
     try:
         for w in windows:
             llm.reset()
@@ -106,7 +107,8 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
 
     rf = RidgeFill(str(map_path), tail=tail, exact_fraction=fraction, selector=selector,
                    value_rescale=value_rescale, min_prompt=0)
-    llm = capture.open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, ridgefill=rf)
+    llm = capture.open_model(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                             ridgefill=rf)
     try:
         llm.ridgefill_record_boundary_states(True)
         for i, w in enumerate(windows):
@@ -131,8 +133,8 @@ def boundary_states(model_path: os.PathLike | str, map_path: os.PathLike | str, 
 def fit_state_gains(model_path: os.PathLike | str, map_path: os.PathLike | str, windows: Sequence[Sequence[int]], *,
                     tail: int = settings.TAIL, fraction: float = settings.EXACT_FRACTION,
                     selector: str = settings.SELECTOR, value_rescale: int = settings.VALUE_RESCALE,
-                    n_threads: int | None = None, progress: Callable[[int, int], None] | None = None,
-                    ) -> dict[int, np.ndarray]:
+                    n_threads: int | None = None, n_gpu_layers: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> dict[int, np.ndarray]:
     """The per-head terminal-state gains of every late recurrent layer of ``model_path`` for the maps
     at ``map_path``, fitted on calibration ``windows`` (token lists, BOS first, each longer than
     ``tail``) with the plan prefill would use: ``{layer: float32 [n_v_heads]}``; 1 for a head whose
@@ -149,7 +151,8 @@ def fit_state_gains(model_path: os.PathLike | str, map_path: os.PathLike | str, 
             den[il] = den.get(il, 0.0) + (f * f).sum(axis=(1, 2))
 
     layers = boundary_states(model_path, map_path, windows, tail=tail, fraction=fraction, selector=selector,
-                             value_rescale=value_rescale, n_threads=n_threads, progress=progress, on_pair=add)
+                             value_rescale=value_rescale, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                             progress=progress, on_pair=add)
     return {il: np.where(den[il] > 0, num[il] / np.where(den[il] > 0, den[il], 1.0), 1.0).astype(np.float32)
             for il in layers}
 
@@ -204,7 +207,7 @@ def gain_plan() -> dict:
 
 def fit_state_gains_into(model_path: os.PathLike | str, map_path: os.PathLike | str, documents: Iterable, *,
                          n_tokens: int, ctx: int, max_windows: int, n_threads: int | None = None,
-                         progress: Callable[[int, int], None] | None = None) -> tuple[dict[int, np.ndarray], dict]:
+                         n_gpu_layers: int = 0, progress: Callable[[int, int], None] | None = None) -> tuple[dict[int, np.ndarray], dict]:
     """``fit --state-gains``: the gains of the maps at ``map_path`` fitted on the windows the fit cut
     from ``documents`` (:func:`calibration_windows`) with :func:`gain_plan`, written into that map file
     with the settings they were fitted at. Returns the gains and those settings (the plan, ``windows``,
@@ -213,7 +216,7 @@ def fit_state_gains_into(model_path: os.PathLike | str, map_path: os.PathLike | 
     plan = gain_plan()
     gains = fit_state_gains(model_path, map_path, windows, tail=plan["tail"], fraction=plan["exact_fraction"],
                             selector=plan["selector"], value_rescale=plan["value_rescale"], n_threads=n_threads,
-                            progress=progress)
+                            n_gpu_layers=n_gpu_layers, progress=progress)
     fitted_at = {**plan, "windows": len(windows), "window_rows": max(len(w) for w in windows)}
     add_state_gains(map_path, gains, settings=fitted_at)
     return gains, fitted_at

@@ -292,6 +292,7 @@ def benchmark_prefill(
     greedy_tokens: int = settings.BENCH_GREEDY_TOKENS,
     repeats: int = settings.BENCH_REPEATS,
     n_threads: int | None = None,
+    n_gpu_layers: int = 0,
     n_batch: int = settings.N_BATCH,
     progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
@@ -333,7 +334,7 @@ def benchmark_prefill(
     res = BenchResult(model=str(model), n_layer=info.n_layer, split=split, tail=tail, exact_fraction=exact_fraction,
                       selector=selector, min_prompt=min_prompt, maps=str(maps) if maps else None, threads=n_threads,
                       n_batch=n_batch, repeats=repeats, lengths=lengths, greedy_tokens=greedy_tokens,
-                      key_rescale=int(plan["key_rescale"] or 0), measured=measured_on(n_threads),
+                      key_rescale=int(plan["key_rescale"] or 0), measured=measured_on(n_threads, n_gpu_layers),
                       times={v: {n: [] for n in lengths} for v in variants},
                       kl={v: {} for v in fills}, greedy_agree={v: {} for v in fills})
     reference: dict[int, tuple[np.ndarray, list[int]]] = {}
@@ -349,7 +350,7 @@ def benchmark_prefill(
             for v in order:
                 kw = variants[v]
                 llms[v] = capture.open_model(kw.get("path", model), n_ctx=n_ctx, n_batch=n_batch, kv_f32=False,
-                                     n_threads=n_threads, ridgefill=kw.get("ridgefill"))
+                                     n_threads=n_threads, n_gpu_layers=n_gpu_layers, ridgefill=kw.get("ridgefill"))
             if not prompts:
                 prompts = {n: prompt_tokens(llms[STOCK], n) for n in lengths}
             warm_up(llms.values(), prompts[lengths[0]][: min(64, lengths[0])])

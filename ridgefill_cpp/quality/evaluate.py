@@ -74,6 +74,7 @@ class EvalOptions:
     n_boot: int = 2000
     seed: int = 0
     n_threads: int | None = None
+    n_gpu_layers: int = 0            # layers offloaded to a GPU (-1: all), as llama.cpp's -ngl
     n_batch: int = settings.N_BATCH
     min_prompt: int = 0              # fill variants run stock prefill below it (tests: exact vs exact)
     key_rescale: int = settings.KEY_RESCALE  # > 0: also the variant "ridge + key rescale" (c_K rows; issue #8)
@@ -216,12 +217,12 @@ def build_documents(tokenize: Callable[[str], list[int]], bos: list[int], texts:
 
 
 def open_context(model: os.PathLike | str, n_ctx: int, n_batch: int, n_threads: int | None,
-                 ridgefill: RidgeFill, swa_full: bool = True) -> Llama:
+                 ridgefill: RidgeFill, swa_full: bool = True, n_gpu_layers: int = 0) -> Llama:
     """The one context ``eval`` and ``tune`` measure every variant in (F16 cache, flash attention,
     ``swa_full``: the sliding-window layers' cache full-size or window-sized), created with
     ``ridgefill`` attached; each run then sets its own settings (:func:`timed_prefill`)."""
     return capture.open_model(model, n_ctx=n_ctx, n_batch=n_batch, kv_f32=False, n_threads=n_threads,
-                              ridgefill=ridgefill, swa_full=swa_full)
+                              n_gpu_layers=n_gpu_layers, ridgefill=ridgefill, swa_full=swa_full)
 
 
 def timed_prefill(llm: Llama, ridgefill: RidgeFill | None, tokens: Sequence[int],
@@ -377,7 +378,7 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     res = EvalResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, options=asdict(options), sources=text_sources(texts), key_cut={},
                      compared_maps={name: str(m) for name, m in compared.items()},
-                     measured=measured_on(options.n_threads))
+                     measured=measured_on(options.n_threads, options.n_gpu_layers))
     T = options.tail
     # hybrids: the late recurrent layers, whose boundary state the splice test also replaces
     rec_layers = [il for il in info.recurrent_layers if il >= S0]
@@ -400,7 +401,8 @@ def evaluate(model: os.PathLike | str, maps: Sequence[os.PathLike | str], option
     conditions = _retrieval_conditions(options, maps[0], S0, compared)
     n_retr = len(options.depths) * options.names_per_depth
     tick = Ticker(len(lengths) * (options.n_docs * per_doc_runs + n_retr * len(conditions)), progress)
-    llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge, options.swa_full)
+    llm = open_context(model, lengths[-1] + 16, options.n_batch, options.n_threads, ridge, options.swa_full,
+                       options.n_gpu_layers)
     try:
         bos = bos_prefix(llm)
         tokenize = text_tokenizer(llm)

@@ -63,6 +63,7 @@ class RulerOptions:
     seed: int = 0
     n_boot: int = 2000
     n_threads: int | None = None
+    n_gpu_layers: int = 0  # layers offloaded to a GPU (-1: all), as llama.cpp's -ngl
     n_batch: int = settings.N_BATCH
     swa_full: bool = True
 
@@ -180,7 +181,7 @@ def run_key(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], o
             essay_text: str) -> dict:
     """What makes two runs' prompts and answers the same: the model (fingerprint), each condition
     (its settings and the map file's content), the seed, the batch, the KV cache kind and the
-    haystack. Not the tasks, lengths, sample count or threads, which a later sitting may change."""
+    haystack. Not the tasks, lengths, sample count, threads or GPU layers, which a later sitting may change."""
     from ..maps.fingerprint import model_fingerprint
 
     conds = {}
@@ -303,7 +304,8 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
     wanted = [(task, length, i) for length in options.lengths for task in options.tasks for i in range(options.samples)]
     reused = sum(1 for k in wanted if jr and k in jr.done)
     first_rf = next((rf for rf in conditions.values() if rf is not None), None)
-    llm = open_context(model, max(options.lengths), options.n_batch, options.n_threads, first_rf, options.swa_full)
+    llm = open_context(model, max(options.lengths), options.n_batch, options.n_threads, first_rf, options.swa_full,
+                       options.n_gpu_layers)
     prompter = Prompter(llm)
     total = (len(wanted) - reused) * len(names)
     done = 0
@@ -344,7 +346,8 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
         conditions={n: _condition_record(rf) for n, rf in conditions.items()},
         sources=[essay_source or text_sources({"documentation": [("", "")]})[0],
                  "wonderwords word lists (MIT): needle keys, cwe's words"],
-        deviations=list(DEVIATIONS), samples=records, reused=reused, measured=measured_on(options.n_threads))
+        deviations=list(DEVIATIONS), samples=records, reused=reused,
+        measured=measured_on(options.n_threads, options.n_gpu_layers))
     summarise(res, options.n_boot, options.seed)
     res.elapsed_s = time.perf_counter() - t0
     return res

@@ -79,10 +79,20 @@ class TuneOptions:
     n_docs: int = settings.TUNE_DOCS
     value_rescale: int = settings.VALUE_RESCALE
     n_threads: int | None = None
+    n_gpu_layers: int = 0             # layers offloaded to a GPU (-1: all), as llama.cpp's -ngl
     n_boot: int = 2000
     seed: int = 0
     strict: bool = False              # feasible: the CI's upper bound (not the estimate) within the budget
     n_batch: int = settings.N_BATCH
+
+    def n_points(self, n_maps: int) -> int:
+        """The settings of the grid over ``n_maps`` map files."""
+        return n_maps * len(set(self.tails)) * len(set(self.fractions)) * len(set(self.spans)) * len(set(self.key_rescales))
+
+    def prefill_tokens(self, n_maps: int) -> int:
+        """The prompt tokens a tune over ``n_maps`` map files prefills: every held-out document and
+        retrieval prompt exactly and at each setting (what its time is estimated from)."""
+        return self.length * (self.n_docs + self.retrieval_prompts) * (1 + self.n_points(n_maps))
 
 
 @dataclass
@@ -328,7 +338,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
     n, k = options.length, tails[0]
     res = TuneResult(model=str(model), maps=[str(m) for m in maps], splits=splits, architecture=info.architecture,
                      n_layer=info.n_layer, budget=float(budget), options=asdict(options), sources=text_sources(texts),
-                     scored_rows=k, measured=measured_on(options.n_threads))
+                     scored_rows=k, measured=measured_on(options.n_threads, options.n_gpu_layers))
     res.options.update(tails=list(tails), fractions=list(fractions), spans=list(spans), key_rescales=list(key_rescales))
     res.points = [TunePoint(str(m), s, t, f, options.selector, w, c) for m, s in zip(maps, splits) for t in tails
                   for f in fractions for w in spans for c in key_rescales]
@@ -341,7 +351,7 @@ def tune(model: os.PathLike | str, maps: Sequence[os.PathLike | str], budget: fl
              for p in res.points]
     ceilings: list[list[float]] = [[] for _ in res.points]
     n_exacts: list[list[float]] = [[] for _ in res.points]
-    llm = open_context(model, n, options.n_batch, options.n_threads, fills[0])
+    llm = open_context(model, n, options.n_batch, options.n_threads, fills[0], n_gpu_layers=options.n_gpu_layers)
     try:
         if options.retrieval_prompts:  # before any measurement: the questions go into the smallest tail
             check_retrieval_tail(text_tokenizer(llm), tails[0])
