@@ -404,6 +404,15 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     md = (out / "gpu-run.md").read_text()
     assert "## 8b-dense-32 (S = 5 of 8; RidgeFill's KQ masks: host)" in md and "Timeline at 512 rows" in md and "## Map placement" in md
     assert "| stock | " in md and "host-bound ubatches" in md
+    # fit on the device (--n-gpu-layers; here 0), after the first two shapes: the capture's speed beside
+    # the plain prefill of the same windows, the fit's timings and its estimate after the first windows
+    f = d["fit"]
+    assert "error" not in f, f
+    assert f["shape"] == "8b-dense-12" and f["n_gpu_layers"] == 0 and f["layer_devices"][0].startswith("CPU")
+    assert f["tokens"] >= 5000 and f["windows"] >= 10 and f["capture_tok_s"] > 0 and f["prefill_tok_s"] > 0
+    assert f["forward_s"] > 0 and f["solve_s"] > 0 and f["estimate"]["seconds"] > 0 and len(f["r2"]) == 1
+    assert f["estimate"]["peak_bytes"] > f["estimate"]["rss_bytes"]
+    assert "## fit on the device (8b-dense-12, S = 4, --n-gpu-layers 0: CPU" in md
     # each shape's model files are removed once it is measured (the device's disk holds 64 GiB)
     tmp = Path(next(line for line in run.stdout.splitlines() if line.startswith("gpu-run: model files in ")).split(" in ", 1)[1])
     assert all(f"gpu-run: {name}: " in run.stdout for name in ("8b-dense-32", "8b-dense-12", "9b-hybrid-12"))

@@ -31,7 +31,11 @@ For each shape, in one process, alternated and repeated (medians):
    the same ubatches): where the early phase costs more than stock's first S layers, which ubatches;
 4. on ``8b-dense-32`` only: **map placement**, random F16 ridge maps of the real size (9 late layers
    of 4,096²) resident with their layers or in host memory (streamed): VRAM taken (free device
-   memory before and after loading, through torch) and TTFT at the middle length.
+   memory before and after loading, through torch) and TTFT at the middle length;
+5. after the first two shapes, with time left: **``fit`` on the GPU** (``--n-gpu-layers``), on ``8b-dense-12`` with
+   :data:`FIT_TOKENS` calibration tokens: the capture's tokens/s against the same model's plain
+   prefill of 512-row windows (``llama-bench -p 512``'s measure, on the same context settings), the
+   statistics and the solve on the host, and the fit's own estimate after its first windows.
 
 Writes ``OUT/gpu-run.json`` after every section and ``OUT/gpu-run.md`` (the tables) at the end;
 ``--budget-s`` skips what would start after that many seconds (a device lease is 15 minutes, the
@@ -76,6 +80,10 @@ DRY = {
     "8b-dense-12": (dict(LLAMA_8B, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, n_layer=6), 4, (256, 512)),
 }
 TAIL, FRACTION, SPAN = 64, 0.10, 16
+#: the fit on the GPU (section 5): its shape, calibration tokens (n_embd + 1 training rows and a
+#: held-out window at the least) and the seconds it needs of the budget to start
+FIT_SHAPE, FIT_TOKENS, FIT_NEEDS_S = "8b-dense-12", 6000, 90
+FIT_AFTER_SHAPES = 2  # the fit runs after the first two shapes (before 8b-dense-12, which earlier leases measured)
 EARLY_STEPS = 4
 #: RidgeFill attached again with these settings (read when attaching), each alternated with stock: the
 #: fixed early extent (k early graphs per plan, which CUDA graphs can replay), and llama.cpp's host-built
@@ -338,6 +346,44 @@ def placement(name: str, opts: dict, split: int, n: int, tmp: pathlib.Path, args
     return out
 
 
+def fit_on_device(name: str, opts: dict, split: int, tmp: pathlib.Path, args) -> dict:
+    """Section 5: ``fit``'s capture with ``--n-gpu-layers`` against the plain prefill of the same 512-row
+    windows (median of 3, after a warm-up), the fit's timings, and its estimate after the first windows."""
+    from ridgefill_cpp.fitting import capture, corpus
+    from ridgefill_cpp.fitting.fit import FitOptions, fit_ridge_maps_for_splits
+
+    ctx = 512
+    model = make_model(tmp / f"{name}-fit.gguf", opts)
+    llm = capture.open_model(model, n_ctx=ctx, n_batch=ctx, n_gpu_layers=args.n_gpu_layers)
+    try:
+        tokens = prompt(llm, ctx)
+        llm.eval(tokens[:32])
+        times = []
+        for _ in range(3):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(tokens)
+            times.append(time.perf_counter() - t0)
+        layer_devices = sorted(set(llm.layer_devices()))
+    finally:
+        llm.close()
+    estimates = []
+    t0 = time.perf_counter()
+    (res,) = fit_ridge_maps_for_splits(model, corpus.default_documents("calibration"), [split],
+                                       FitOptions(n_tokens=FIT_TOKENS, ctx=ctx, n_gpu_layers=args.n_gpu_layers),
+                                       on_estimate=estimates.append)
+    wall = time.perf_counter() - t0
+    tm, m = res.timings, res.maps.meta
+    est = estimates[0] if estimates else None
+    return {"shape": name, "split": split, "n_gpu_layers": args.n_gpu_layers, "layer_devices": layer_devices,
+            "ctx": ctx, "tokens": m.calib_n_tokens, "windows": res.n_windows,
+            "prefill_tok_s": ctx / statistics.median(times), "capture_tok_s": m.calib_n_tokens / tm.forward_s,
+            "forward_s": tm.forward_s, "statistics_s": tm.accumulate_s, "solve_s": tm.solve_s, "wall_s": wall,
+            "r2": m.r2, "estimate": None if est is None else {
+                "seconds": est.total_s, "capture_s": est.capture_s, "solve_s": est.solve_s,
+                "tokens_per_s": est.tokens_per_s, "peak_bytes": est.peak_bytes, "rss_bytes": est.rss_bytes}}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# GPU run ({result.get('device') or 'no device'}; {'dry run' if result['dry_run'] else 'full sizes'})", ""]
     for sh in result["shapes"]:
@@ -386,6 +432,18 @@ def markdown(result: dict) -> str:
         lines.append("")
     elif p:
         lines += [f"Map placement: {p['error']}", ""]
+    f = result.get("fit")
+    if f and "error" not in f:
+        e = f["estimate"] or {}
+        lines += [f"## fit on the device ({f['shape']}, S = {f['split']}, --n-gpu-layers {f['n_gpu_layers']}: "
+                  f"{', '.join(f['layer_devices'])})", "",
+                  "| tokens | capture tokens/s | plain prefill of 512 rows, tokens/s | capture / prefill | "
+                  "forward / statistics / solve s | estimate after the first windows |", "|---|---|---|---|---|---|",
+                  f"| {f['tokens']:,} | {f['capture_tok_s']:,.0f} | {f['prefill_tok_s']:,.0f} | "
+                  f"{f['capture_tok_s'] / f['prefill_tok_s']:.2f} | {f['forward_s']:.1f} / {f['statistics_s']:.1f} / "
+                  f"{f['solve_s']:.1f} | " + (f"{e['seconds']:.0f} s (wall {f['wall_s']:.0f} s)" if e else "none") + " |", ""]
+    elif f:
+        lines += [f"fit on the device: {f['error']}", ""]
     return "\n".join(lines)
 
 
@@ -398,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-gpu-layers", type=int, default=-1)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start nothing new after this many seconds")
     ap.add_argument("--no-placement", action="store_true")
+    ap.add_argument("--no-fit", action="store_true", help="skip section 5, fit on the device")
     args = ap.parse_args(argv)
 
     import ridgefill_cpp
@@ -427,7 +486,24 @@ def main(argv: list[str] | None = None) -> int:
         result["elapsed_s"] = time.perf_counter() - start
         (args.out / "gpu-run.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
-    for name in args.shapes.split(","):
+    def fit_section():
+        if time.perf_counter() > deadline - FIT_NEEDS_S:
+            result["fit"] = {"error": "skipped: over the time budget"}
+        else:
+            try:
+                opts, split, _ = shapes[FIT_SHAPE]
+                result["fit"] = fit_on_device(FIT_SHAPE, opts, split, tmp, args)
+            except Exception as e:
+                traceback.print_exc()
+                result["fit"] = {"error": f"{type(e).__name__}: {e}"}
+            for f in tmp.glob(f"{FIT_SHAPE}-fit*"):
+                f.unlink()
+        save()
+
+    names = args.shapes.split(",")
+    for k, name in enumerate(names):
+        if k == FIT_AFTER_SHAPES and not args.no_fit:
+            fit_section()  # before the shapes the earlier leases measured already
         if time.perf_counter() > deadline:
             result["shapes"].append({"shape": name, "error": "skipped: over the time budget"})
             continue
@@ -454,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in files:
             f.unlink()
         print(f"gpu-run: {name}: {len(files)} model files removed ({size / 1e9:.1f} GB)", flush=True)
+    if len(names) <= FIT_AFTER_SHAPES and not args.no_fit:
+        fit_section()
     shutil.rmtree(tmp, ignore_errors=True)
     save()
     (args.out / "gpu-run.md").write_text(markdown(result))

@@ -1,0 +1,82 @@
+"""tools/measure/fit_budget.py (docs/fit-budget): the figures it reads from fit's output, and the rule
+that chooses fit's default budget from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import fit_budget  # tools/measure, on sys.path through conftest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIT_OUTPUT = """estimate: the fit takes about 1 h 2 min (capture of 9,709 tokens at 662 tokens/s: 15 s; solve of 1 split: 0 s); peak memory about 0.7 GiB (0.7 GiB resident now)
+┃ layer ┃        λ ┃    R² ┃ ridge rel. err ┃ identity rel. err ┃
+│    13 │  0.00156 │ 0.698 │          0.258 │             0.376 │
+│    14 │ 0.000495 │ 0.602 │          0.197 │             0.334 │
+└───────┴──────────┴───────┴────────────────┴───────────────────┘
+maps: Q8_0, full 640×640 matrices, 2.09 MiB
+9709 calibration tokens (19 windows of 512), 508 held-out rows; forward 14.4 s,
+\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02:18.14
+\tMaximum resident set size (kbytes): 754632
+"""
+
+
+def test_a_fit_output_read_back():
+    e = fit_budget.fit_entry(FIT_OUTPUT)
+    assert e == {"seconds": 3738.1, "peak_rss_mib": 736.9, "calibration_tokens": 9709, "estimate_s": 3720,
+                 "estimate_peak_mib": 716.8, "r2_mean": 0.65}
+    assert [fit_budget.seconds(t) for t in ("45 s", "17 min", "1 h 52 min", "2 h 0 min")] == [45, 1020, 6720, 7200]
+    with pytest.raises(ValueError):
+        fit_budget.seconds("soon")
+
+
+def _models(x10, x25, full):
+    return {"a": {"10000": {"novel_dnll_2048": x10}, "25000": {"novel_dnll_2048": x25},
+                  "100000": {"novel_dnll_2048": full}}}
+
+
+def test_the_default_is_the_smallest_budget_within_the_full_budgets_ci():
+    full = [0.010, 0.000, 0.020]
+    assert fit_budget.choose(_models([0.019, 0.0, 0.04], [0.012, 0.0, 0.03], full))[0] == 10000
+    assert fit_budget.choose(_models([0.021, 0.0, 0.04], [0.012, 0.0, 0.03], full))[0] == 25000
+    budget, why = fit_budget.choose(_models([0.05, 0.0, 0.1], [0.03, 0.0, 0.04], full))
+    assert budget == 100000 and "no smaller budget" in why
+    # every model and length must hold: one model out of the CI rules the budget out
+    two = _models([0.015, 0.0, 0.04], [0.012, 0.0, 0.03], full)
+    two["b"] = {"10000": {"novel_dnll_8192": [0.09, 0.05, 0.12]}, "25000": {"novel_dnll_8192": [0.02, 0.0, 0.04]},
+                "100000": {"novel_dnll_8192": [0.02, 0.01, 0.03]}}
+    assert fit_budget.choose(two)[0] == 25000
+
+
+def test_an_eval_run_gives_each_budget_its_figures():
+    ci = lambda x, lo, hi: {"estimate": x, "low": lo, "high": hi, "n": 12}  # noqa: E731
+    d = {"maps": ["/x/smollm2.100000.ridgefill.gguf"], "options": {"n_docs": 12},
+         "compared_maps": {"ridge (9709 tokens)": "/x/smollm2.10000.ridgefill.gguf"},
+         "summary": {"2048": {"ridge": {"novel": {"delta": ci(0.01, 0.0, 0.02)}},
+                              "ridge (9709 tokens)": {"novel": {"delta": ci(0.03, 0.01, 0.05)}},
+                              "identity": {"novel": {"delta": ci(0.2, 0.1, 0.3)}}}},
+         "paired": {"2048": {"ridge (9709 tokens)": {"novel": ci(0.02, 0.01, 0.03)}}}}
+    models: dict = {}
+    fit_budget.add_eval(models, json.loads(json.dumps(d)))
+    assert models == {"smollm2": {"100000": {"novel_dnll_2048": [0.01, 0.0, 0.02]},
+                                  "10000": {"novel_dnll_2048": [0.03, 0.01, 0.05], "vs_100000_2048": [0.02, 0.01, 0.03]},
+                                  "identity": {"novel_dnll_2048": [0.2, 0.1, 0.3]}, "documents": {"2048": 12}}}
+
+
+def test_the_committed_summary_is_what_the_tool_makes(tmp_path):
+    """docs/fit-budget/summary.json is the tool's output from the committed files (once it exists)."""
+    docs = ROOT / "docs" / "fit-budget"
+    if not (docs / "summary.json").exists():
+        pytest.skip("docs/fit-budget not measured in this tree")
+    evals = sorted(docs.glob("eval-*/results.json"))
+    import subprocess
+    import sys
+
+    args = [sys.executable, str(ROOT / "tools" / "measure" / "fit_budget.py"), "--fits", str(docs / "fits"),
+            "--out", str(tmp_path)] + [x for p in evals for x in ("--eval", str(p))]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((docs / "summary.json").read_text())
