@@ -32,6 +32,8 @@ from model_summary import ci, fit_figures  # noqa: E402
 FIT_FILE = re.compile(r"^(?P<model>[\w.-]+?)\.(?P<tokens>\d+)\.fit\.txt$")
 MAP_FILE = re.compile(r"^(?P<model>[\w.-]+?)\.(?P<tokens>\d+)\.ridgefill\.gguf$")
 ESTIMATE = re.compile(r"estimate: the fit takes about (?P<t>.+?) \(.*?peak memory about (?P<peak>[\d.]+) GiB")
+#: the prompt lengths every model and budget is measured at before the default is chosen
+LENGTHS = ("2048", "8192")
 R2_ROW = re.compile(r"^│\s+\d+\s+│\s+\S+\s+│\s+(?P<r2>-?[\d.]+)\s+│", re.M)
 
 
@@ -80,17 +82,25 @@ def add_eval(models: dict, d: dict) -> None:
             pair = d.get("paired", {}).get(n, {}).get(v, {}).get("novel")
             if pair:
                 entry[f"vs_{variants['ridge']}_{n}"] = ci(pair)
+            kept = d.get("retrieval", {}).get(n, {}).get(f"{v}, attention selector", {}).get("kept")
+            if kept:
+                entry[f"codes_kept_{n}"] = kept
         ident = summ.get("identity", {}).get("novel")
         if ident:
             models[model].setdefault("identity", {})[f"novel_dnll_{n}"] = ci(ident["delta"])
         models[model].setdefault("documents", {})[n] = d["options"]["n_docs"]
 
 
-def choose(models: dict) -> tuple[int, str]:
+def choose(models: dict, lengths: tuple[str, ...] = LENGTHS) -> tuple[int, str]:
     """(default tokens, why): the smallest budget whose novel ΔNLL is at or below the upper bound of the
-    largest budget's CI on every model and length measured."""
+    largest budget's CI on every model and length; the largest while a model's budget lacks one of
+    ``lengths`` (the choice waits for every figure)."""
     budgets = sorted({int(t) for m in models.values() for t in m if t.isdigit()})
     full = budgets[-1]
+    missing = sorted({f"{name} {int(n) // 1024}K" for name, m in models.items() for t in m if t.isdigit()
+                      for n in lengths if f"novel_dnll_{n}" not in m[t]})
+    if missing:
+        return full, f"pending (the largest budget until then): no novel ΔNLL yet for {', '.join(missing)}"
     for b in budgets[:-1]:
         ok, seen = True, 0
         for name, m in models.items():
@@ -114,19 +124,24 @@ def plot(models: dict, path: Path) -> None:
 
     lengths = sorted({k.rsplit("_", 1)[1] for m in models.values() for e in m.values() if isinstance(e, dict)
                       for k in e if k.startswith("novel_dnll_")}, key=int)
+    if not lengths:
+        return
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
-        for name, m in models.items():
+        for i, (name, m) in enumerate(models.items()):
             pts = sorted((int(t), e[f"novel_dnll_{n}"]) for t, e in m.items() if t.isdigit() and f"novel_dnll_{n}" in e)
             if not pts:
                 continue
-            xs = [t for t, _ in pts]
+            xs = [t * 1.06 ** (i - (len(models) - 1) / 2) for t, _ in pts]  # side by side: the CIs overlap
             ys = [v[0] for _, v in pts]
             err = [[v[0] - v[1] for _, v in pts], [v[2] - v[0] for _, v in pts]]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log")
-        ax.set_xlabel("calibration tokens")
+        budgets = sorted({int(t) for m in models.values() for t in m if t.isdigit()})
+        ax.set_xticks(budgets, [f"{b // 1000}K" for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlabel("calibration tokens (fit --tokens)")
         ax.set_ylabel("novel-token ΔNLL vs exact (nats)")
         ax.set_title(f"{int(n):,}-token prompts (95 % CI over documents)")
         ax.legend(fontsize=8)
@@ -138,7 +153,8 @@ def plot(models: dict, path: Path) -> None:
 def table(models: dict) -> str:
     lengths = sorted({k.rsplit("_", 1)[1] for m in models.values() for e in m.values() if isinstance(e, dict)
                       for k in e if k.startswith("novel_dnll_")}, key=int)
-    head = ["model", "tokens", "fit", "peak RSS", "estimate", "mean R²"] + [f"novel ΔNLL {int(n) // 1024}K" for n in lengths]
+    head = (["model", "tokens", "fit", "peak RSS", "estimate", "mean R²"]
+            + [f"{what} {int(n) // 1024}K" for n in lengths for what in ("novel ΔNLL", "vs 100K, paired", "codes kept")])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in models.items():
         for t in sorted((t for t in m if t.isdigit()), key=int):
@@ -148,14 +164,17 @@ def table(models: dict) -> str:
                      (f"{e['estimate_s']:.0f} s, {e['estimate_peak_mib']:,.0f} MiB" if "estimate_s" in e else "—"),
                      f"{e['r2_mean']:.3f}" if "r2_mean" in e else "—"]
             for n in lengths:
-                v = e.get(f"novel_dnll_{n}")
-                cells.append(f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" if v else "—")
+                v, d, k = e.get(f"novel_dnll_{n}"), e.get(f"vs_100000_{n}"), e.get(f"codes_kept_{n}")
+                cells += [f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" if v else "—",
+                          f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]" if d else "—", f"{k[0]}/{k[1]}" if k else "—"]
             rows.append("| " + " | ".join(cells) + " |")
         ident = m.get("identity", {})
         if ident:
-            rows.append("| " + " | ".join([name, "identity fill", "", "", "", ""] + [
-                (lambda v: f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" if v else "—")(ident.get(f"novel_dnll_{n}"))
-                for n in lengths]) + " |")
+            cells = [name, "identity fill", "", "", "", ""]
+            for n in lengths:
+                v = ident.get(f"novel_dnll_{n}")
+                cells += [f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" if v else "—", "", ""]
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
