@@ -675,6 +675,11 @@ def test_cli_tune_fit_fits_the_candidate_splits_first_and_uses_them_again(tiny_m
     assert [read_map_file(p).meta.split_layer for p in paths] == [3, 4]
     assert read_map_file(paths[0]).meta.calib_n_tokens <= 3000
     assert "fitting maps for S = 3, 4" in r.output and "chosen:" in r.output
+    # after its first windows the fit says what the fit and the tune after it will take (issue #54)
+    said = " ".join(r.output.split())
+    assert re.search(r"estimate: the fit takes about \d+ s \(capture of 2,\d{3} tokens at [\d,]+ tokens/s: \d+ s; solve "
+                     r"of 2 splits: \d+ s\), then the tune over \d+ settings \([\d,]+ prompt tokens at the capture's "
+                     r"speed\): about .+ in all; peak memory about [\d.]+ GiB", said), said
     assert sum(read_tuned_defaults(p) is not None for p in paths) == 1 and _sha(model) == model_sha
 
     before = [p.read_bytes() for p in paths]
