@@ -191,11 +191,11 @@ def _fit_first(model: Path, spec: str, tokens: Optional[int], threads: Optional[
     if todo:
         out.print(f"--fit: fitting maps for S = {', '.join(str(s) for s, _ in todo)} (one capture pass)", highlight=False)
         n_maps = len(paths) + len(given)
-        grid = (f"the tune over {options.n_points(n_maps)} settings ({options.prefill_tokens(n_maps):,} prompt tokens "
-                "at the capture's speed)")
+        tuned = options.prefill_tokens(n_maps)
+        grid = f"the tune over {options.n_points(n_maps)} settings ({tuned:,} prompt tokens at the capture's speed)"
         run_fit(model, None, output=Path(template), split=",".join(str(s) for s, _ in todo), tokens=tokens,
                 threads=threads, n_gpu_layers=options.n_gpu_layers,
-                later=lambda tokens_per_s: (grid, options.prefill_tokens(n_maps) / tokens_per_s))
+                later=lambda tokens_per_s: (grid, tuned / tokens_per_s))
     return paths
 
 
