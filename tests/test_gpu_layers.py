@@ -1,18 +1,21 @@
-"""``--n-gpu-layers`` on fit, bench, eval, tune and demo, and what fit says before its work.
+"""``--n-gpu-layers`` and ``--device`` on fit, bench, eval, tune and demo, and what fit says before its work.
 
-The offload itself needs a GPU; here: the option reaches every model the five commands load, the
-values llama.cpp's -ngl takes (a count, ``all``) and nothing else, a CPU build says that the layers
-stay on the CPU, the maps of ``-ngl 0`` and ``-ngl all`` are the same bit for bit, and the fit's
-estimate (time and memory after its first windows) adds up."""
+The offload itself needs a GPU; here: the options reach every model the five commands load, the
+values llama.cpp's -ngl takes (a count, ``all``) and nothing else, the device names llama.cpp's
+--device takes (``none``, a device of this build) and nothing else, a CPU build says that the layers
+stay on the CPU, the maps of ``-ngl 0``, ``-ngl all`` and ``-ngl all --device none`` are the same bit
+for bit, and the fit's estimate (time and memory after its first windows) adds up."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import numpy as np
 import pytest
 
-import ridgefill_cpp
+import ridgefill_cpp  # first: llama_cpp then loads the patched libraries
+import llama_cpp  # noqa: E402
 from ridgefill_cpp.cli.app import gpu_backends
 from ridgefill_cpp.cli.fit import duration, estimate_text
 from ridgefill_cpp.core.machine import measured_on, measured_text
@@ -21,6 +24,7 @@ from ridgefill_cpp.fitting.fit import (ESTIMATE_AFTER_WINDOWS, FitEstimate, FitO
                                        fit_ridge_maps_for_splits, solve_flops, window_plan)
 from ridgefill_cpp.maps.mapfile import read_map_file
 from ridgefill_cpp.quality.tune import TuneOptions
+from ridgefill_cpp.runtime import devices
 from ridgefill_cpp.runtime.prefill import Llama
 
 CPU_BUILD = not gpu_backends(ridgefill_cpp.build_info()["backends"])
@@ -36,7 +40,9 @@ def first_load(monkeypatch):
     seen: list[dict] = []
 
     def init(self, *args, **kwargs):
-        seen.append(kwargs)
+        # the device list llama-cpp-python's Llama would load with (NULL: llama.cpp's default, every GPU)
+        listed = llama_cpp.llama_cpp.llama_model_default_params().devices
+        seen.append({**kwargs, "devices": None if not listed else ctypes.cast(listed, ctypes.POINTER(ctypes.c_void_p))})
         raise Loaded()
 
     monkeypatch.setattr(Llama, "__init__", init)
@@ -80,6 +86,71 @@ def test_every_command_passes_the_gpu_layers_to_the_model(cli, command_args, fir
     assert first_load and first_load[0]["n_gpu_layers"] == n, (command, first_load)
 
 
+@pytest.mark.parametrize("command", ["fit", "bench", "eval", "eval --ruler", "tune", "demo"])
+def test_every_command_offloads_to_the_devices_given(cli, command_args, first_load, command):
+    name = command.split()[0]
+    r = cli(name, *command_args[command], "-ngl", "all")
+    assert isinstance(r.exception, Loaded), (command, r.output, r.exception)
+    assert first_load[0]["devices"] is None  # no --device: llama.cpp's own choice, every GPU
+    first_load.clear()
+    r = cli(name, *command_args[command], "-ngl", "all", "--device", "none")
+    assert isinstance(r.exception, Loaded), (command, r.output, r.exception)
+    listed = first_load[0]["devices"]
+    assert listed is not None and listed[0] is None  # an empty NULL-terminated list: no offload
+    # and nothing is left behind for the next model the process loads
+    assert not llama_cpp.llama_cpp.llama_model_default_params().devices and devices.current_devices() is None
+
+
+@pytest.mark.parametrize("bad, why", [("CUDA0", "invalid device: CUDA0"), ("CPU", "the CPU is not a device to offload to"),
+                                      ("", "no device named"), ("none,", "an empty name")])
+def test_device_refuses_what_llama_cpp_does_not_take(cli, command_args, first_load, bad, why):
+    if bad == "CUDA0" and any(d.name == "CUDA0" for d in devices.offload_devices()):
+        pytest.skip("this machine has a CUDA0")
+    for command in ("fit", "bench", "eval", "tune", "demo"):
+        r = cli(command, *command_args[command], "--device", bad)
+        assert r.exit_code == 1 and not first_load, (command, bad, r.output)
+        assert f"--device {bad}: " in r.output and why in r.output, r.output
+        assert "this build's offload devices here: " in r.output or "no device named" in why or "empty" in why
+
+
+def test_device_names_and_lists_as_llama_cpp_parses_them():
+    there = devices.offload_devices()
+    assert all(d.type != "CPU" and d.name for d in there)
+    assert devices.device_names("none") == [] and list(devices.device_list("none")) == [None]
+    if there:  # a GPU build on a machine with its GPU: names in the order given, NULL-terminated
+        names = [d.name for d in there]
+        assert devices.device_names(",".join(names)) == names
+        listed = list(devices.device_list(names))
+        assert len(listed) == len(names) + 1 and listed[-1] is None and all(listed[:-1])
+    with pytest.raises(ValueError, match="invalid device: Vulkan9"):
+        devices.device_list(["Vulkan9"])
+    with devices.loading_on_devices("none") as names:
+        assert names == [] and devices.current_devices() == []
+        listed = llama_cpp.llama_cpp.llama_model_default_params().devices
+        assert ctypes.cast(listed, ctypes.POINTER(ctypes.c_void_p))[0] is None
+    assert devices.current_devices() is None and not llama_cpp.llama_cpp.llama_model_default_params().devices
+
+
+def test_llama_with_no_offload_device_computes_what_plain_llama_does(tiny_models):
+    """``Llama(devices="none", n_gpu_layers=-1)`` keeps every layer on the CPU: the same logits as a
+    plain load, bit for bit; a name that is not a device, or devices with rpc_servers, fail before the load."""
+    tokens = list(range(5, 69))
+    logits = []
+    for kw in ({}, {"devices": "none", "n_gpu_layers": -1}):
+        llm = Llama(str(tiny_models["llama"]), n_ctx=128, n_threads=1, verbose=False, **kw)
+        try:
+            logits.append(llm.prefill(tokens, n_logits=4))
+            placed = llm.layer_devices()
+            assert placed and all(p.startswith("CPU") for p in placed), placed
+        finally:
+            llm.close()
+    assert np.isfinite(logits[0]).all() and np.array_equal(logits[0], logits[1])
+    with pytest.raises(ValueError, match="invalid device: NoSuchGPU"):
+        Llama(str(tiny_models["llama"]), devices="NoSuchGPU", verbose=False)
+    with pytest.raises(ValueError, match="devices and rpc_servers: give one"):
+        Llama(str(tiny_models["llama"]), devices="none", rpc_servers="127.0.0.1:1", verbose=False)
+
+
 @pytest.mark.parametrize("bad", ["-1", "-3", "x", "1.5", ""])
 def test_gpu_layers_refuses_what_llama_cpp_does_not_take(cli, command_args, first_load, bad):
     for command in ("fit", "bench", "tune"):
@@ -100,16 +171,18 @@ def test_fit_with_every_layer_offloaded_writes_the_same_maps(cli, tiny_models, t
     """On this build both run on the CPU: the same numbers bit for bit (on a GPU build ``-ngl all``
     runs the capture there; docs/gpu-h200 measures it)."""
     paths = {}
-    for value in ("0", "all"):
-        paths[value] = tmp_path / f"ngl-{value}.gguf"
+    for value in ("0", "all", "all --device none"):
+        paths[value] = tmp_path / f"ngl-{value.replace(' ', '')}.gguf"
         r = cli("fit", tiny_models["llama"], "-o", paths[value], "--tokens", 3000, "--ctx", 128, "--split", 3,
-                "--dtype", "f32", "-ngl", value)
+                "--dtype", "f32", "-ngl", *value.split())
         assert r.exit_code == 0, r.output
-    a, b = read_map_file(paths["0"]), read_map_file(paths["all"])
-    assert a.meta.layers == b.meta.layers == [4, 5]
-    for il in a.meta.layers:
-        assert np.array_equal(a.a[il], b.a[il]) and np.array_equal(a.b[il], b.b[il])
-    assert a.meta.r2 == b.meta.r2 and a.meta.lambdas == b.meta.lambdas
+    a = read_map_file(paths["0"])
+    for other in ("all", "all --device none"):
+        b = read_map_file(paths[other])
+        assert a.meta.layers == b.meta.layers == [4, 5]
+        for il in a.meta.layers:
+            assert np.array_equal(a.a[il], b.a[il]) and np.array_equal(a.b[il], b.b[il])
+        assert a.meta.r2 == b.meta.r2 and a.meta.lambdas == b.meta.lambdas
 
 
 def test_fit_says_what_it_will_take_after_its_first_windows(tiny_models):
@@ -191,3 +264,7 @@ def test_measurements_record_the_gpu_layers():
     assert measured_text(measured_on(2, 12)).endswith(", 12 layers offloaded")
     m = measured_on(2)
     assert m["n_gpu_layers"] == 0 and "offloaded" not in measured_text(m)
+    with devices.loading_on_devices("none"):
+        m = measured_on(2, -1)
+    assert m["devices"] == [] and measured_text(m).endswith(", all layers offloaded, devices none")
+    assert "devices" not in measured_on(2)

@@ -3,8 +3,10 @@ output paths, the options that several commands parse alike, and the help texts'
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -54,6 +56,42 @@ GPU_LAYERS_HELP = ("Layers to offload to a GPU, as llama.cpp's -ngl: a number, o
 def gpu_layers_option():
     """``--n-gpu-layers`` / ``-ngl``, the same on every command that loads a model for computing."""
     return typer.Option(None, "--n-gpu-layers", "-ngl", metavar="N|all", help=GPU_LAYERS_HELP)
+
+
+#: help of ``--device`` (fit, bench, eval, tune, demo)
+DEVICE_HELP = ("Devices to offload to, as llama.cpp's --device: comma-separated names (CUDA0, CUDA0,CUDA1, Vulkan0, ...), "
+               "or none for no offload whatever --n-gpu-layers says (default: every GPU this build finds). A name "
+               "that is not a device here is refused before the model loads, with the list of those there are.")
+
+
+def device_option():
+    """``--device`` / ``-dev``, the same on every command that loads a model for computing."""
+    return typer.Option(None, "--device", "-dev", metavar="NAME[,NAME...]|none", help=DEVICE_HELP)
+
+
+@contextlib.contextmanager
+def using_devices(value: Optional[str]) -> Iterator[None]:
+    """While inside, every model the command loads offloads to the devices of ``--device`` (None:
+    llama.cpp's default); a name that is not a device ends the command with a clear error first."""
+    from ..runtime.devices import device_names, loading_on_devices
+
+    if value is not None:
+        try:
+            device_names(value)
+        except ValueError as e:
+            fail(f"--device {value}: {e}")
+    with loading_on_devices(value):
+        yield
+
+
+def with_devices(command):
+    """A command whose ``device`` parameter is :func:`device_option`: every model it loads offloads to
+    those devices (:func:`using_devices` around the whole command)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        with using_devices(kwargs.get("device")):
+            return command(*args, **kwargs)
+    return run
 
 
 def parse_gpu_layers(value: Optional[str]) -> int:

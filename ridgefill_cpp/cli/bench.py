@@ -12,12 +12,13 @@ from rich.table import Table
 from ..core import settings
 from ..core.limits import MAX_THREADS
 from ..core.machine import measured_text
-from .app import (CLASS_NAMES, SELECTOR_NAMES, app, check_output_file, check_prefill_args, csv, err, fail,
-                  given_options, gpu_layers_option, out, parse_gpu_layers, print_timing_warnings,
-                  resolve_operating_point, tuned_help)
+from .app import (CLASS_NAMES, SELECTOR_NAMES, app, check_output_file, check_prefill_args, csv, device_option, err,
+                  fail, given_options, gpu_layers_option, out, parse_gpu_layers, print_timing_warnings,
+                  resolve_operating_point, tuned_help, with_devices)
 
 
 @app.command("bench")
+@with_devices
 def bench(
     model: Path = typer.Argument(..., help="The model GGUF to time (never modified)."),
     maps: Optional[Path] = typer.Option(None, "--maps", "-m", help="Map file of `fit`: times RidgeFill with ridge maps (its split is used)."),
@@ -36,6 +37,7 @@ def bench(
     repeats: Optional[int] = typer.Option(None, "--repeats", "-r", min=1, help=f"Timed prefills per variant and length (median reported; default {settings.BENCH_REPEATS})."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (the same for every variant)."),
     gpu_layers: Optional[str] = gpu_layers_option(),
+    device: Optional[str] = device_option(),
     n_batch: Optional[int] = typer.Option(None, "--n-batch", min=1, help=f"llama.cpp batch (and ubatch) size (default {settings.N_BATCH})."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every timing and quality figure to this JSON file."),
 ) -> None:

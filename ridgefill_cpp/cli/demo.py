@@ -11,11 +11,12 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (app, err, gpu_layers_option, out, parse_gpu_layers)
+from .app import (app, device_option, err, gpu_layers_option, out, parse_gpu_layers, with_devices)
 from .show import model_table, quality_table
 
 
 @app.command()
+@with_devices
 def demo(
     model: Optional[Path] = typer.Option(None, help="Model GGUF (default: SmolLM2-135M-Instruct Q4_1 from PyPI)."),
     fit_tokens: int = typer.Option(20_000, "--fit-tokens", min=1000, help="Calibration tokens for the demo's fit."),
@@ -25,6 +26,7 @@ def demo(
     long_tokens: int = typer.Option(3072, "--long-tokens", min=1100, help="Length of the long prompt prefilled stock and with RidgeFill."),
     threads: Optional[int] = typer.Option(None, min=1, max=MAX_THREADS, help="CPU threads (default: llama.cpp's choice)."),
     gpu_layers: Optional[str] = gpu_layers_option(),
+    device: Optional[str] = device_option(),
 ) -> None:
     """Run the main job on the default model: the native build and the model summary, a ridge-map fit
     on the default calibration text (kept in the cache directory), a long prompt prefilled stock and

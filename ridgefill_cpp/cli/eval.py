@@ -11,14 +11,15 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (SELECTOR_NAMES, app, check_output_dir, check_prefill_args, csv, err, fail,
+from .app import (SELECTOR_NAMES, app, check_output_dir, check_prefill_args, csv, device_option, err, fail,
                   given_options, gpu_layers_option, number_list, out, parse_gpu_layers, print_timing_warnings,
-                  read_text_option, resolve_operating_point, tuned_help)
+                  read_text_option, resolve_operating_point, tuned_help, with_devices)
 
 T = TypeVar("T")
 
 
 @app.command("eval")
+@with_devices
 def eval_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
     maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
@@ -42,6 +43,7 @@ def eval_cmd(
     quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {csv(settings.EVAL_QUICK['lengths'])}-token prompts, {settings.EVAL_QUICK['n_docs']} documents, {len(settings.EVAL_QUICK['depths']) * settings.EVAL_QUICK['names_per_depth']} retrieval prompts per condition."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     gpu_layers: Optional[str] = gpu_layers_option(),
+    device: Optional[str] = device_option(),
     swa_full: bool = typer.Option(True, "--swa-full/--no-swa-full", help="Models with sliding-window layers (gemma3, gpt-oss): every variant on a full-size KV cache (libllama's default) or on a window-sized one (llama-server's default, with --no-swa-full)."),
     out_dir: Path = typer.Option(Path("ridgefill-report"), "--out", "-o", help="Report directory (report.md, PNG plots, results.json; with --ruler: ruler.md, ruler.png, ruler.json, and ruler.samples.jsonl, each finished prompt as it finishes: run again with the same --out to go on after an interruption or with more --samples, tasks or lengths)."),
     ruler: bool = typer.Option(False, "--ruler", help="Run RULER's synthetic tasks instead (needles, variable tracking, common and frequent words): each prompt with exact prefill and with each --maps file, scored as RULER scores them, paired (docs/ruler)."),

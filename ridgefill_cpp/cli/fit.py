@@ -11,13 +11,14 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (app, check_output_file, err, fail, gpu_layers_option,
-                  number_list, out, parse_gpu_layers)
+from .app import (app, check_output_file, device_option, err, fail, gpu_layers_option,
+                  number_list, out, parse_gpu_layers, with_devices)
 from .show import quality_table
 
 
 #: the plan the state gains of ``fit`` are measured with: RidgeFill's built-in defaults
 @app.command()
+@with_devices
 def fit(
     model: Path = typer.Argument(..., help="The model GGUF to fit maps for (never modified)."),
     calibration: Optional[list[Path]] = typer.Argument(
@@ -55,6 +56,7 @@ def fit(
                                         "identity fill) or plain (A = U Vᵀ)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads for llama.cpp."),
     gpu_layers: Optional[str] = gpu_layers_option(),
+    device: Optional[str] = device_option(),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
     state_gains: Optional[bool] = typer.Option(
         None, "--state-gains/--no-state-gains",

@@ -11,11 +11,13 @@ from rich.table import Table
 
 from ..core import settings
 from ..core.limits import MAX_THREADS
-from .app import (SELECTOR_NAMES, app, check_output_dir, csv, err, fail, gpu_layers_option,
-                  given_options, number_list, out, parse_gpu_layers, print_timing_warnings, read_text_option)
+from .app import (SELECTOR_NAMES, app, check_output_dir, csv, device_option, err, fail, gpu_layers_option,
+                  given_options, number_list, out, parse_gpu_layers, print_timing_warnings, read_text_option,
+                  with_devices)
 
 
 @app.command("tune")
+@with_devices
 def tune_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
     maps: Optional[list[Path]] = typer.Option(None, "--maps", "-m", help="Map file of `fit`, one per split to search; repeat for several splits. The chosen one gets the tuned defaults."),
@@ -35,6 +37,7 @@ def tune_cmd(
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Held-out text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads."),
     gpu_layers: Optional[str] = gpu_layers_option(),
+    device: Optional[str] = device_option(),
     strict: bool = typer.Option(False, "--strict", help="Feasible only when the 95 % CI's upper bound (not the point estimate) is within the budget."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure and choose, but write no map file: nothing into the chosen one, and with --fit no fitted one (it says which it would fit, and tunes over the map files already there)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write pareto.png, tune.json and tune.md into this directory."),

@@ -37,7 +37,15 @@ def measured_on(n_threads: int | None, n_gpu_layers: int = 0) -> dict:
             "cores": os.cpu_count(), "threads": n_threads or os.cpu_count(),
             "os": f"{platform.system()} {platform.machine()}", "ridgefill_cpp": __version__,
             "llama_cpp": info.get("llama_cpp_commit"), "patchset": info.get("patchset"), "backends": info.get("backends"),
-            "n_gpu_layers": n_gpu_layers}
+            "n_gpu_layers": n_gpu_layers, **_devices()}
+
+
+def _devices() -> dict:
+    """``{"devices": [...]}`` while ``--device`` named the offload devices (``[]``: none), else nothing."""
+    from ..runtime.devices import current_devices
+
+    names = current_devices()
+    return {} if names is None else {"devices": names}
 
 
 def measured_text(m: dict) -> str:
@@ -49,7 +57,8 @@ def measured_text(m: dict) -> str:
     return (f"{m.get('date')}, {m.get('cpu')} ({m.get('cores')} cores), {m.get('threads')} threads, "
             f"ridgefill-cpp {m.get('ridgefill_cpp')}, llama.cpp {m.get('llama_cpp')}"
             + (f", {'/'.join(backends)} backend{'s' if len(backends) > 1 else ''}" if backends else "")
-            + (f", {gpu_layers_text(m['n_gpu_layers'])} offloaded" if m.get("n_gpu_layers") else ""))
+            + (f", {gpu_layers_text(m['n_gpu_layers'])} offloaded" if m.get("n_gpu_layers") else "")
+            + (f", devices {','.join(m['devices']) or 'none'}" if m.get("devices") is not None else ""))
 
 
 def gpu_layers_text(n_gpu_layers: int) -> str:

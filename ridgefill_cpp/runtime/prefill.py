@@ -27,6 +27,7 @@ import llama_cpp
 import numpy as np
 
 from ..core import native as N
+from . import devices as dev
 from . import rpc
 from ..core import settings
 from ..core.limits import MAX_THREADS, check_c_string, check_int
@@ -275,11 +276,13 @@ class Llama(llama_cpp.Llama):
     it ran stock: no RidgeFill, or a prompt shorter than ``min_prompt`` or the tail; its keys:
     :data:`ridgefill_cpp.core.settings.STATS`). :meth:`prefill` evaluates a prompt and returns the
     logits of its last rows; :meth:`set_ridgefill` changes the settings (or turns RidgeFill off)
-    for the next prompts.
+    for the next prompts. ``devices`` (``"CUDA1"``, a list, or ``"none"``) names the devices the
+    ``n_gpu_layers`` go to, as llama.cpp's ``--device``; ``rpc_servers`` puts them on RPC servers.
     """
 
     def __init__(self, model_path: str, *args: Any, ridgefill: RidgeFill | str | os.PathLike | None = None,
-                 rpc_servers: str | Sequence[str] | None = None, **kwargs: Any):
+                 rpc_servers: str | Sequence[str] | None = None, devices: str | Sequence[str] | None = None,
+                 **kwargs: Any):
         self._closed = False  # close() sets it
         self._rf: RidgeFill | None = None
         self.rpc_servers: str | None = None  # set below, once the servers answer
@@ -297,24 +300,33 @@ class Llama(llama_cpp.Llama):
         what = not_regular(model_path, follow_symlinks=True)
         if what is not None:  # llama.cpp would block opening a FIFO, or fail on a device or directory
             raise ValueError(f"{model_path}: the model file is {what}, not a regular file")
+        if devices is not None and rpc_servers is not None:
+            raise ValueError("devices and rpc_servers: give one (rpc_servers puts the layers on its servers' devices)")
+        if devices is not None:
+            dev.device_names(devices)  # a name that is not a device fails here, before the load
         if ridgefill is None:
-            self._load(model_path, args, kwargs, rpc_servers)
+            self._load(model_path, args, kwargs, rpc_servers, devices)
             return
 
         rf = as_ridgefill(ridgefill)
         _check_context(kwargs.get("logits_all"), kwargs.get("embedding"))
         self._info = read_model_info(model_path)
 
-        self._load(model_path, args, kwargs, rpc_servers)
+        self._load(model_path, args, kwargs, rpc_servers, devices)
         try:
             self.set_ridgefill(rf)
         except Exception:
             self.close()
             raise
 
-    def _load(self, model_path: str, args: tuple, kwargs: dict[str, Any], rpc_servers) -> None:
+    def _load(self, model_path: str, args: tuple, kwargs: dict[str, Any], rpc_servers, devices=None) -> None:
         """llama-cpp-python's constructor; with ``rpc_servers``, on the devices of those servers (then
-        this machine's GPUs) instead of every device this process has registered."""
+        this machine's GPUs) instead of every device this process has registered; with ``devices``, on
+        those (llama.cpp's ``--device``; ``"none"``: no offload)."""
+        if devices is not None:
+            with dev.loading_on_devices(devices):
+                super().__init__(model_path, *args, **kwargs)
+            return
         if rpc_servers is None:
             super().__init__(model_path, *args, **kwargs)
             return
