@@ -57,6 +57,16 @@ def test_the_default_is_the_smallest_budget_within_the_full_budgets_ci():
             m[t].setdefault("novel_dnll_2048", m[t].get("novel_dnll_8192"))
             m[t].setdefault("novel_dnll_8192", m[t]["novel_dnll_2048"])
     assert fit_budget.choose(two)[0] == 25000
+    # budgets are judged from the smallest up: one that holds needs no figure of the larger ones,
+    # one that fails passes the choice to the next, which then must have every figure
+    part = _models([0.015, 0.0, 0.04], [0.012, 0.0, 0.03], full)
+    for t, m in part["a"].items():
+        m["novel_dnll_8192"] = m["novel_dnll_2048"]
+    del part["a"]["25000"]["novel_dnll_8192"]
+    assert fit_budget.choose(part)[0] == 10000
+    part["a"]["10000"]["novel_dnll_8192"] = [0.05, 0.03, 0.07]
+    budget, why = fit_budget.choose(part)
+    assert budget == 100000 and why.startswith("pending") and "a 8K at 25K" in why and "10K" not in why
 
 
 def test_an_eval_run_gives_each_budget_its_figures():

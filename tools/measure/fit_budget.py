@@ -93,26 +93,20 @@ def add_eval(models: dict, d: dict) -> None:
 
 def choose(models: dict, lengths: tuple[str, ...] = LENGTHS) -> tuple[int, str]:
     """(default tokens, why): the smallest budget whose novel ΔNLL is at or below the upper bound of the
-    largest budget's CI on every model and length; the largest while a model's budget lacks one of
-    ``lengths`` (the choice waits for every figure)."""
+    largest budget's CI on every model and length. Budgets are judged from the smallest up; one that
+    lacks a figure (its own or the largest budget's) on some model and length of ``lengths`` cannot be
+    judged, and the choice waits for it (the largest budget until then)."""
     budgets = sorted({int(t) for m in models.values() for t in m if t.isdigit()})
     full = budgets[-1]
-    missing = sorted({f"{name} {int(n) // 1024}K" for name, m in models.items() for t in m if t.isdigit()
-                      for n in lengths if f"novel_dnll_{n}" not in m[t]})
-    if missing:
-        return full, f"pending (the largest budget until then): no novel ΔNLL yet for {', '.join(missing)}"
     for b in budgets[:-1]:
-        ok, seen = True, 0
-        for name, m in models.items():
-            for key, (x, _, _) in ((k, v) for k, v in m.get(str(b), {}).items() if k.startswith("novel_dnll_")):
-                ref = m.get(str(full), {}).get(key)
-                if ref is None:
-                    continue
-                seen += 1
-                ok = ok and x <= ref[2]
-        if ok and seen:
+        missing = sorted({f"{name} {int(n) // 1024}K at {t // 1000}K" for name, m in models.items()
+                          for t in (b, full) for n in lengths if f"novel_dnll_{n}" not in m.get(str(t), {})})
+        if missing:
+            return full, f"pending (the largest budget until then): no novel ΔNLL yet for {', '.join(missing)}"
+        if all(m[str(b)][f"novel_dnll_{n}"][0] <= m[str(full)][f"novel_dnll_{n}"][2]
+               for m in models.values() for n in lengths):
             return b, (f"the smallest budget whose novel-token ΔNLL is within the 95 % CI of {full:,} tokens' "
-                       f"(at or below its upper bound) on every model and prompt length measured")
+                       f"(at or below its upper bound) on every model at {' and '.join(f'{int(n) // 1024}K' for n in lengths)}")
     return full, f"no smaller budget stays within the CI of {full:,} tokens' on every model and length"
 
 
