@@ -26,8 +26,8 @@ maps: Q8_0, full 640×640 matrices, 2.09 MiB
 
 def test_a_fit_output_read_back():
     e = fit_budget.fit_entry(FIT_OUTPUT)
-    assert e == {"seconds": 3738.1, "peak_rss_mib": 736.9, "calibration_tokens": 9709, "estimate_s": 3720,
-                 "estimate_peak_mib": 716.8, "r2_mean": 0.65}
+    assert e == {"seconds": 3738.1, "peak_rss_mib": 736.9, "calibration_tokens": 9709, "maps_mib": 2.09,
+                 "estimate_s": 3720, "estimate_peak_mib": 716.8, "r2_mean": 0.65}
     assert [fit_budget.seconds(t) for t in ("45 s", "17 min", "1 h 52 min", "2 h 0 min")] == [45, 1020, 6720, 7200]
     with pytest.raises(ValueError):
         fit_budget.seconds("soon")

@@ -51,6 +51,8 @@ def fit_entry(text: str) -> dict:
     f = fit_figures(text)
     out = {"seconds": round(f["seconds"], 1), "peak_rss_mib": round(f["peak_rss_mib"], 1),
            "calibration_tokens": f.get("calibration_tokens")}
+    if "maps_mib" in f:
+        out["maps_mib"] = f["maps_mib"]
     est = ESTIMATE.search(text)
     if est:
         out["estimate_s"] = seconds(est.group("t"))
