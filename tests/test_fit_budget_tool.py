@@ -45,9 +45,14 @@ def test_the_default_is_the_smallest_budget_within_the_full_budgets_ci():
     assert fit_budget.choose(_models([0.021, 0.0, 0.04], [0.012, 0.0, 0.03], full), at)[0] == 25000
     budget, why = fit_budget.choose(_models([0.05, 0.0, 0.1], [0.03, 0.0, 0.04], full), at)
     assert budget == 100000 and "no smaller budget" in why
-    # a length not measured yet: the choice waits (the largest budget until then)
+    # a length measured at the largest budget but not yet at a smaller one: the choice waits
+    waiting = _models([0.019, 0.0, 0.04], [0.012, 0.0, 0.03], full)
+    waiting["a"]["100000"]["novel_dnll_8192"] = full
+    budget, why = fit_budget.choose(waiting, ("2048", "8192"))
+    assert budget == 100000 and why.startswith("pending") and "a 8K at 10K" in why
+    # a length not measured on a model at all: that model is judged at the others, and the rule says so
     budget, why = fit_budget.choose(_models([0.019, 0.0, 0.04], [0.012, 0.0, 0.03], full), ("2048", "8192"))
-    assert budget == 100000 and why.startswith("pending") and "a 8K" in why
+    assert budget == 10000 and why.endswith("a at 2K")
     # every model and length must hold: one model out of the CI rules the budget out
     two = _models([0.015, 0.0, 0.04], [0.012, 0.0, 0.03], full)
     two["b"] = {"10000": {"novel_dnll_8192": [0.09, 0.05, 0.12]}, "25000": {"novel_dnll_8192": [0.02, 0.0, 0.04]},

@@ -15,7 +15,7 @@ Writes ``summary.json`` (``{"default_tokens", "rule", "models": {MODEL: {TOKENS:
 absent) and ``fit-budget.png`` (novel-token ΔNLL against tokens, one line a model), and prints the
 Markdown table. The default is the smallest budget whose novel ΔNLL lies within the 95 % CI of the
 largest budget's on every model and length measured (at or below its upper bound); with none, the
-largest, and the summary says so.
+largest, and the summary says so (and which lengths each model was judged at).
 """
 
 from __future__ import annotations
@@ -95,21 +95,28 @@ def add_eval(models: dict, d: dict) -> None:
 
 def choose(models: dict, lengths: tuple[str, ...] = LENGTHS) -> tuple[int, str]:
     """(default tokens, why): the smallest budget whose novel ΔNLL is at or below the upper bound of the
-    largest budget's CI on every model and length. Budgets are judged from the smallest up; one that
-    lacks a figure (its own or the largest budget's) on some model and length of ``lengths`` cannot be
-    judged, and the choice waits for it (the largest budget until then)."""
+    largest budget's CI on every model and length. Each model is judged at the lengths of ``lengths``
+    its largest budget was measured at (a model not measured at a length at all is judged without it,
+    and ``why`` names the lengths each model was judged at). Budgets are judged from the smallest up;
+    one that lacks a figure the largest budget has cannot be judged, and the choice waits for it (the
+    largest budget until then)."""
     budgets = sorted({int(t) for m in models.values() for t in m if t.isdigit()})
     full = budgets[-1]
+    at = {name: [n for n in lengths if f"novel_dnll_{n}" in m.get(str(full), {})] for name, m in models.items()}
+    if not any(at.values()):
+        return full, f"pending (the largest budget until then): no novel ΔNLL yet of {full:,} tokens' maps"
+    judged = "; ".join(f"{name} at {' and '.join(f'{int(n) // 1024}K' for n in ns) or 'no length'}"
+                       for name, ns in at.items())
     for b in budgets[:-1]:
-        missing = sorted({f"{name} {int(n) // 1024}K at {t // 1000}K" for name, m in models.items()
-                          for t in (b, full) for n in lengths if f"novel_dnll_{n}" not in m.get(str(t), {})})
+        missing = sorted({f"{name} {int(n) // 1024}K at {b // 1000}K" for name, m in models.items()
+                          for n in at[name] if f"novel_dnll_{n}" not in m.get(str(b), {})})
         if missing:
             return full, f"pending (the largest budget until then): no novel ΔNLL yet for {', '.join(missing)}"
-        if all(m[str(b)][f"novel_dnll_{n}"][0] <= m[str(full)][f"novel_dnll_{n}"][2]
-               for m in models.values() for n in lengths):
+        if all(models[name][str(b)][f"novel_dnll_{n}"][0] <= models[name][str(full)][f"novel_dnll_{n}"][2]
+               for name, ns in at.items() for n in ns):
             return b, (f"the smallest budget whose novel-token ΔNLL is within the 95 % CI of {full:,} tokens' "
-                       f"(at or below its upper bound) on every model at {' and '.join(f'{int(n) // 1024}K' for n in lengths)}")
-    return full, f"no smaller budget stays within the CI of {full:,} tokens' on every model and length"
+                       f"(at or below its upper bound) on every model and length measured: {judged}")
+    return full, f"no smaller budget stays within the CI of {full:,} tokens' on every model and length measured: {judged}"
 
 
 def plot(models: dict, path: Path) -> None:
