@@ -104,3 +104,11 @@ def test_the_committed_summary_is_what_the_tool_makes(tmp_path):
     run = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((docs / "summary.json").read_text())
+
+
+def test_fit_uses_the_budget_the_sweep_chose():
+    """fit's default calibration budget is summary.json's default_tokens (the rule's choice)."""
+    from ridgefill_cpp.core import settings
+
+    summary = json.loads((ROOT / "docs" / "fit-budget" / "summary.json").read_text())
+    assert settings.FIT_TOKENS == summary["default_tokens"], summary["rule"]

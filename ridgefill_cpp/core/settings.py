@@ -134,8 +134,10 @@ TUNE_DOCS = 8
 #: planted codes each
 TUNE_RETRIEVAL_PROMPTS = 5
 TUNE_RETRIEVAL_CODES = 2
-#: fit: the calibration token budget and rows per calibration window
-FIT_TOKENS = 100_000
+#: fit: the calibration token budget and rows per calibration window. The budget is the smallest whose
+#: novel-token ΔNLL stays within the 95 % CI of 100K tokens' on every model measured (docs/fit-budget,
+#: summary.json's default_tokens; a test keeps the two equal)
+FIT_TOKENS = 10_000
 FIT_CTX = 512
 #: ``fit``'s storage type of the map matrices: Q8_0 kept novel-token ΔNLL within F16's CI and every
 #: planted code on both real models at 0.53x the bytes (docs/compact-maps); F16 where n_embd is not a
