@@ -9,6 +9,7 @@ for bit, and the fit's estimate (time and memory after its first windows) adds u
 from __future__ import annotations
 
 import ctypes
+import pickle
 import re
 
 import numpy as np
@@ -142,6 +143,13 @@ def test_llama_with_no_offload_device_computes_what_plain_llama_does(tiny_models
             logits.append(llm.prefill(tokens, n_logits=4))
             placed = llm.layer_devices()
             assert placed and all(p.startswith("CPU") for p in placed), placed
+            if kw:  # a copy loads on the same devices
+                assert llm.devices == []
+                twin = pickle.loads(pickle.dumps(llm))
+                try:
+                    assert twin.devices == [] and np.array_equal(twin.prefill(tokens, n_logits=4), logits[-1])
+                finally:
+                    twin.close()
         finally:
             llm.close()
     assert np.isfinite(logits[0]).all() and np.array_equal(logits[0], logits[1])

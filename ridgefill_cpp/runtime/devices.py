@@ -63,9 +63,11 @@ def offload_devices() -> list[Device]:
 
 
 def device_names(value: str | Sequence[str]) -> list[str]:
-    """``value`` (``"CUDA0,CUDA1"``, ``["CUDA0"]`` or ``"none"``) checked as llama.cpp checks
-    ``--device``: ``[]`` for ``none``, else the names, each a device of :func:`offload_devices`.
-    Raises ``ValueError`` naming the devices there are."""
+    """``value`` (``"CUDA0,CUDA1"``, ``["CUDA0"]`` or ``"none"``; an empty list is ``none`` too)
+    checked as llama.cpp checks ``--device``: ``[]`` for ``none``, else the names, each a device of
+    :func:`offload_devices`. Raises ``ValueError`` naming the devices there are."""
+    if not isinstance(value, str) and len(value) == 0:
+        return []
     names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value)]
     if not any(names):
         raise ValueError(f"no device named in {value!r} (give NAME[,NAME...] or none)")

@@ -286,6 +286,8 @@ class Llama(llama_cpp.Llama):
         self._closed = False  # close() sets it
         self._rf: RidgeFill | None = None
         self.rpc_servers: str | None = None  # set below, once the servers answer
+        #: the offload devices given (llama.cpp's --device; [] for "none"), None for llama.cpp's default
+        self.devices: list[str] | None = None
         self._rf_maps: NativeMaps | None = None
         #: every map file loaded for this context, by (path, split, host): reused, freed at close()
         self._rf_loaded: dict[tuple[str, int | None, bool], NativeMaps] = {}
@@ -303,7 +305,7 @@ class Llama(llama_cpp.Llama):
         if devices is not None and rpc_servers is not None:
             raise ValueError("devices and rpc_servers: give one (rpc_servers puts the layers on its servers' devices)")
         if devices is not None:
-            dev.device_names(devices)  # a name that is not a device fails here, before the load
+            self.devices = dev.device_names(devices)  # a name that is not a device fails here, before the load
         if ridgefill is None:
             self._load(model_path, args, kwargs, rpc_servers, devices)
             return
@@ -440,13 +442,14 @@ class Llama(llama_cpp.Llama):
                              "create a new one")
 
     def __getstate__(self) -> dict[str, Any]:
-        """llama-cpp-python's constructor arguments, with RidgeFill's settings and the RPC servers:
+        """llama-cpp-python's constructor arguments, with RidgeFill's settings, the RPC servers and devices:
         ``pickle.loads(pickle.dumps(llm))`` loads the model again with the same RidgeFill (the map
         file is read again, from its path). A closed Llama (whose RidgeFill is gone) is refused."""
         self._check_open("__getstate__")
         state = super().__getstate__()
         state["ridgefill"] = self._rf
         state["rpc_servers"] = self.rpc_servers
+        state["devices"] = self.devices
         return state
 
     def eval(self, tokens: Sequence[int]) -> None:
