@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import threading
 
 
 def cpu_name() -> str:
@@ -40,10 +41,17 @@ def measured_on(n_threads: int | None, n_gpu_layers: int = 0) -> dict:
             "n_gpu_layers": n_gpu_layers, **_devices()}
 
 
+#: the offload devices named on this thread (runtime.devices.loading_on_devices sets them)
+offload = threading.local()
+
+
+def current_devices() -> list[str] | None:
+    """The device names ``--device`` gave the models loaded on this thread (``[]``: none), else None."""
+    return getattr(offload, "names", None)
+
+
 def _devices() -> dict:
     """``{"devices": [...]}`` while ``--device`` named the offload devices (``[]``: none), else nothing."""
-    from ..runtime.devices import current_devices
-
     names = current_devices()
     return {} if names is None else {"devices": names}
 

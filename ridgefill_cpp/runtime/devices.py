@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import llama_cpp
 
+from ..core.machine import current_devices, offload
+
 #: ggml_backend_dev_type (ggml-backend.h)
 DEVICE_TYPES = ("CPU", "GPU", "IGPU", "ACCEL", "META")
-
-_state = threading.local()  # the device names in effect on this thread (loading_on_devices)
-
 
 @dataclass(frozen=True)
 class Device:
@@ -102,15 +100,10 @@ def loading_on_devices(value: str | Sequence[str] | None) -> Iterator[list[str] 
     from .rpc import loading_on
 
     names, devs = device_names(value), device_list(value)
-    before = getattr(_state, "names", None)
-    _state.names = names
+    before = current_devices()
+    offload.names = names  # what measurement files record (core.machine.measured_on)
     try:
         with loading_on(devs):
             yield names
     finally:
-        _state.names = before
-
-
-def current_devices() -> list[str] | None:
-    """The device names :func:`loading_on_devices` set on this thread (``[]``: none), else None."""
-    return getattr(_state, "names", None)
+        offload.names = before
