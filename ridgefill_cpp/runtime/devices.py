@@ -18,9 +18,11 @@ from typing import Iterator, Sequence
 import llama_cpp
 
 from ..core.machine import current_devices, offload
+from .rpc import loading_on
 
 #: ggml_backend_dev_type (ggml-backend.h)
 DEVICE_TYPES = ("CPU", "GPU", "IGPU", "ACCEL", "META")
+
 
 @dataclass(frozen=True)
 class Device:
@@ -84,10 +86,12 @@ def device_names(value: str | Sequence[str]) -> list[str]:
 
 def device_list(value: str | Sequence[str]):
     """The NULL-terminated ``llama_model_params.devices`` for ``value`` (see :func:`device_names`)."""
-    names = device_names(value)
+    return _null_terminated(device_names(value))
+
+
+def _null_terminated(names: list[str]):
     handles = {d.name: h for d, h in _handles()}
-    devs = (ctypes.c_void_p * (len(names) + 1))(*[handles[n] for n in names], None)
-    return devs
+    return (ctypes.c_void_p * (len(names) + 1))(*[handles[n] for n in names], None)
 
 
 @contextlib.contextmanager
@@ -97,9 +101,8 @@ def loading_on_devices(value: str | Sequence[str] | None) -> Iterator[list[str] 
     if value is None:
         yield None
         return
-    from .rpc import loading_on
-
-    names, devs = device_names(value), device_list(value)
+    names = device_names(value)
+    devs = _null_terminated(names)
     before = current_devices()
     offload.names = names  # what measurement files record (core.machine.measured_on)
     try:
