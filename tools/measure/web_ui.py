@@ -153,15 +153,30 @@ def send(drv, url: str, text: str, timeout: float = 300) -> Answer:
                   ridgefill_state=rf[0].get_attribute("data-ridgefill") if rf else None, seconds=seconds)
 
 
-def set_custom_json(drv, url: str, custom: dict) -> None:
+def set_custom_json(drv, url: str, custom: dict, tries: int = 5) -> None:
     """Settings > Developer > Custom JSON, as a user sets it: the object is merged into every request
     the UI sends (e.g. {"ridgefill": false}). Written into the UI's stored settings (localStorage
-    "LlamaUi.config"), then the page is loaded again."""
+    "LlamaUi.config"), then the page is loaded again. The page saves its whole settings object itself
+    once the server's /props answer arrives; a save that lands between our write and the reload
+    overwrites it, so the stored object is read back after the reload and written again until it holds."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    want = json.dumps(custom)
     _open(drv, url + "/")
-    drv.execute_script(
-        "const key = 'LlamaUi.config'; const v = JSON.parse(localStorage.getItem(key) || '{}');"
-        "v.customJson = arguments[0]; localStorage.setItem(key, JSON.stringify(v));", json.dumps(custom))
-    _open(drv, url + "/", reload=True)
+    for _ in range(tries):
+        # the chat box is up once the page has started: most of its own saves are behind it
+        WebDriverWait(drv, 60).until(EC.element_to_be_clickable((By.CSS_SELECTOR, "textarea")))
+        drv.execute_script(
+            "const key = 'LlamaUi.config'; const v = JSON.parse(localStorage.getItem(key) || '{}');"
+            "v.customJson = arguments[0]; localStorage.setItem(key, JSON.stringify(v));", want)
+        _open(drv, url + "/", reload=True)
+        WebDriverWait(drv, 60).until(EC.element_to_be_clickable((By.CSS_SELECTOR, "textarea")))
+        stored = drv.execute_script("return (JSON.parse(localStorage.getItem('LlamaUi.config') || '{}')).customJson;")
+        if stored == want:
+            return
+    raise RuntimeError(f"the web UI did not keep Custom JSON {want} in its settings after {tries} tries")
 
 
 def http_chat(url: str, text: str, ridgefill: bool, timeout: float = 600) -> dict:
