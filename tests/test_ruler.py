@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import shutil
 from collections import Counter
 
 import pytest
@@ -215,6 +216,32 @@ def test_summary_pairs_scores_and_finds_the_cell_it_loses_most_in():
     assert list(res.by_depth["4096"]) == ["0.0-0.2", "0.8-1.0"]
 
 
+def test_a_compared_condition_gets_its_paired_difference_from_the_one_it_is_compared_with():
+    """Two map files for the same split (e.g. two calibration budgets): the second condition's
+    difference from the first, prompt by prompt, beside each one's difference from exact."""
+    from ridgefill_cpp.quality.ruler_report import markdown
+
+    recs = [_record("niah_single_1", 0.5, e, r, i) for i, (e, r) in enumerate([(1.0, 1.0), (1.0, 0.0), (1.0, 1.0), (0.0, 0.0)])]
+    for rec, b in zip(recs, [0.0, 1.0, 1.0, 1.0]):
+        rec["outputs"]["ridge B"] = {"text": "", "score": b, "prefill_s": 1.0, "plan": {"ceiling": 1.0}}
+    conds = {n: {"kind": "ridge", "maps": None, "split": 4, "settings": None, "compared_with": None}
+             for n in ("exact", "ridge", "ridge B")}
+    conds["ridge B"]["compared_with"] = "ridge"
+    res = ruler.RulerResult(model="m.gguf", conditions=conds, options={"tasks": ["niah_single_1"], "samples": 4},
+                            template="base", sources=[], deviations=[], samples=recs)
+    ruler.summarise(res, n_boot=200)
+    avg = res.summary["4096"]["average"]
+    assert avg["ridge B"]["vs"]["estimate"] == pytest.approx(100 * (3 - 2) / 4)   # B - ridge, prompt by prompt
+    assert avg["ridge B"]["delta"]["estimate"] == pytest.approx(100 * (3 - 3) / 4)  # B - exact
+    assert "vs" not in avg["ridge"] and "vs" not in avg["exact"]
+    assert res.summary["4096"]["niah_single_1"]["ridge B"]["vs"] == avg["ridge B"]["vs"]
+    md = markdown(res)
+    assert "| ridge B − ridge | +25.0 [" in md and "ridge B against ridge, paired on the same prompts: +25.0 [" in md
+    with pytest.raises(ValueError, match="two different conditions"):
+        ruler.run_ruler("m.gguf", {"exact": None, "ridge": None}, ruler.RulerOptions(lengths=[1024]), "words",
+                        compared={"ridge": "ridge"})
+
+
 def test_a_ttft_ratio_above_its_ceiling_is_warned_of():
     """eval --ruler's TTFT ratio above the mean ceiling of its prompts is noise (issue #53): summarise
     records it, ruler.md says it; prompts timed once each, so a wide spread alone is not judged."""
@@ -279,6 +306,30 @@ def test_eval_ruler_end_to_end(tiny_models, tiny_maps, cli, tmp_path):
     md = (tmp_path / "r" / "ruler.md").read_text()
     assert "| | avg | niah_single_1 | niah_multikey_2 | niah_single_2 | vt | fwe |" in md and "| Δ ridge S=4 |" in md
     assert "essay haystack" in md and "RULER at 1536 tokens" in r.output
+
+
+def test_eval_ruler_compares_map_files_for_the_same_split(tiny_models, tiny_maps, cli, tmp_path):
+    """--compare-maps with --ruler: each file is a condition at the first file's split, paired with
+    it. A copy of the same maps answers every prompt as the first file does: its difference is 0."""
+    copy = tmp_path / "tiny-copy.gguf"
+    shutil.copyfile(tiny_maps, copy)
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps, "--compare-maps", copy, "--ruler", "--ruler-tasks",
+            "niah_single_1,fwe", "--lengths", "1024", "--samples", "2", "--threads", "1", "--out", tmp_path / "r")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "r" / "ruler.json").read_text())
+    name = "ridge S=4 (tiny-copy.gguf)"
+    assert list(res["conditions"]) == ["exact", "ridge S=4", name]
+    assert res["conditions"][name]["compared_with"] == "ridge S=4" and res["conditions"][name]["maps"] == str(copy)
+    assert res["conditions"]["ridge S=4"]["compared_with"] is None
+    for rec in res["samples"]:
+        assert rec["outputs"][name]["text"] == rec["outputs"]["ridge S=4"]["text"]
+        assert rec["outputs"][name]["plan"]["n_filled"] == rec["outputs"]["ridge S=4"]["plan"]["n_filled"] > 0
+    vs = res["summary"]["1024"]["average"][name]["vs"]
+    assert vs["estimate"] == vs["low"] == vs["high"] == 0.0
+    assert f"| {name} − ridge S=4 |" in (tmp_path / "r" / "ruler.md").read_text()
+    r = cli("eval", tiny_models["llama"], "--maps", tiny_maps, "--compare-maps", tiny_maps, "--ruler",
+            "--out", tmp_path / "twice")
+    assert r.exit_code == 1 and "listed twice" in r.output and not (tmp_path / "twice").exists()
 
 
 def test_an_interrupted_ruler_run_goes_on_from_its_journal(tiny_models, tiny_maps, tmp_path):

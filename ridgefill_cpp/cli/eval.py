@@ -23,7 +23,7 @@ T = TypeVar("T")
 def eval_cmd(
     model: Path = typer.Argument(..., help="The model GGUF (never modified)."),
     maps: list[Path] = typer.Option(..., "--maps", "-m", help="Map file of `fit`; repeat for a split sweep (the first is the main setting)."),
-    compare_maps: Optional[list[Path]] = typer.Option(None, "--compare-maps", help="Another map file for the first one's split (e.g. `fit --ctx 4096`, other text); repeat for more. Each is a ridge variant with a paired ΔNLL difference against the first file and a retrieval condition with the attention selector."),
+    compare_maps: Optional[list[Path]] = typer.Option(None, "--compare-maps", help="Another map file for the first one's split (e.g. `fit --ctx 4096`, other text); repeat for more. Each is a ridge variant with a paired ΔNLL difference against the first file and a retrieval condition with the attention selector; with --ruler, a condition paired with the first file's."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="Evaluation text files or directories (default: the evaluation split of the default corpus and the licence texts of /usr/share/common-licenses)."),
     lengths: Optional[str] = typer.Option(None, "--lengths", "-l", help="Prompt lengths in tokens, comma-separated "
                                           f"(default {csv(settings.EVAL_LENGTHS)}; --quick: {csv(settings.EVAL_QUICK['lengths'])}; "
@@ -74,14 +74,14 @@ def eval_cmd(
                               depths=depths and tuple(number_list(depths, "--depths", float)),
                               names_per_depth=retrieval_prompts))
     if ruler:
-        others = dict(compare_maps=compare_maps, docs=docs, selectors=selectors or None, queries=queries, depths=depths,
+        others = dict(docs=docs, selectors=selectors or None, queries=queries, depths=depths,
                       retrieval_prompts=retrieval_prompts, codes=None if codes == 1 else codes, quick=quick or None,
                       splice=None if splice else False)
         given = [f"--{k.replace('_', '-')}" for k, v in others.items() if v is not None]
         if given:
             fail(f"{', '.join(given)}: only the standard evaluation takes {'these' if len(given) > 1 else 'this'}, not --ruler")
         return eval_ruler(model, maps, ns, text, ruler_tasks, samples, ruler_identity, threads, n_gpu_layers, swa_full,
-                          out_dir,
+                          out_dir, compare_maps or [],
                           dict(tail=tail, exact_fraction=exact_fraction, selector=selector, key_rescale=key_rescale or 0,
                                value_rescale=settings.VALUE_RESCALE if value_rescale is None else value_rescale))
     if ruler_tasks is not None or samples != settings.RULER_SAMPLES or ruler_identity:
@@ -114,24 +114,32 @@ def eval_cmd(
 
 def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text: Optional[list[Path]],
                tasks: Optional[str], samples: int, identity: bool, threads: Optional[int], n_gpu_layers: int,
-               swa_full: bool, out_dir: Path, point: dict) -> None:
+               swa_full: bool, out_dir: Path, compare_maps: list[Path], point: dict) -> None:
     """``eval --ruler``: RULER's tasks with exact prefill, each map file at its split (and identity
-    fill at the first one's), one operating point; the report into ``out_dir``."""
+    fill at the first one's; each of ``compare_maps`` at the first one's split, paired with it), one
+    operating point; the report into ``out_dir``."""
     from ..maps.mapfile import MapFileError, map_file_splits
     from ..quality.ruler import JOURNAL, RulerOptions, run_ruler
     from ..quality.ruler_report import score_ci, write_ruler_report
-    from ..quality.evaluate import default_texts, text_sources
+    from ..quality.evaluate import default_texts, maps_variant_names, text_sources
     from ..runtime.prefill import RidgeFill
 
     try:
         splits = map_file_splits(maps, model)
+        variants = maps_variant_names([maps[0], *compare_maps], model)[1:] if compare_maps else []
     except MapFileError as e:
         fail(str(e))
     fill = dict(point, min_prompt=0, **settings.parse_selector(point.pop("selector")))
     conditions: dict[str, Optional[RidgeFill]] = {"exact": None}
+    compared: dict[str, str] = {}
     try:
         for path, split in zip(maps, splits):
             conditions[f"ridge S={split}"] = RidgeFill(path, split=split, **fill)
+        for path, variant in zip(compare_maps, variants):
+            # "ridge (LABEL)" -> "ridge S=15 (LABEL)", paired with the first map file's condition
+            name = f"ridge S={splits[0]} {variant.removeprefix('ridge ')}"
+            conditions[name] = RidgeFill(path, split=splits[0], **fill)
+            compared[name] = f"ridge S={splits[0]}"
         if identity:
             conditions[f"identity S={splits[0]}"] = RidgeFill(None, split=splits[0], **fill)
         options = RulerOptions(**given_options(lengths=lengths), samples=samples, n_threads=threads,
@@ -149,17 +157,19 @@ def eval_ruler(model: Path, maps: list[Path], lengths: Optional[list[int]], text
     if journal.exists():
         err.print(f"{journal}: taking the prompts an earlier sitting finished from there", highlight=False)
     res = _measured("RULER", lambda progress: run_ruler(model, conditions, options, essay, source, progress=progress,
-                                                        journal=journal))
+                                                        journal=journal, compared=compared))
     if res.reused:
         err.print(f"{res.reused} of {len(res.samples)} prompts from {journal}", highlight=False)
     paths = _written(lambda: write_ruler_report(res, out_dir), out_dir)
     for n, summ in res.summary.items():
         t = Table(title=f"{model.name}, RULER at {n} tokens ({options.samples} samples per task; score ×100, 95 % CI)")
-        for col in ("condition", "score", "Δ vs exact", "same answer", "TTFT ratio"):
+        cols = ("condition", "score", "Δ vs exact", *((f"Δ vs {next(iter(compared.values()))}",) if compared else ()), "same answer", "TTFT ratio")
+        for col in cols:
             t.add_column(col, justify="right" if col != "condition" else "left")
         for name, a in summ["average"].items():
+            vs = ((score_ci(a["vs"], signed=True) if "vs" in a else "—",) if compared else ())
             t.add_row(name, f"{a['score']['estimate']:.1f}", score_ci(a["delta"], signed=True) if name != "exact" else "—",
-                      f"{a['same_answer']:.0%}", f"{res.ttft[n][name]:.2f}x")
+                      *vs, f"{a['same_answer']:.0%}", f"{res.ttft[n][name]:.2f}x")
         out.print(t)
         print_timing_warnings(res.timing_warnings.get(n, []))
     out.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)

@@ -283,15 +283,21 @@ class RulerResult:
 def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None], options: RulerOptions,
               essay_text: str, essay_source: str | None = None,
               progress: Callable[[int, int, str], None] | None = None,
-              journal: os.PathLike | str | None = None) -> RulerResult:
+              journal: os.PathLike | str | None = None, compared: dict[str, str] | None = None) -> RulerResult:
     """Run every task of ``options`` at every length on ``options.samples`` prompts, each with every
     condition (name -> RidgeFill; None: exact prefill, which must come first). With ``journal`` (a
     path), prompts it already holds for the same run are taken from it, and each new one is
-    appended to it as it finishes (see :class:`Journal`)."""
+    appended to it as it finishes (see :class:`Journal`). ``compared`` (name -> another condition's
+    name): a condition also gets its paired difference from that one (e.g. another map file for the
+    same split against the main one)."""
     options.check()
     names = list(conditions)
     if not names or conditions[names[0]] is not None:
         raise ValueError("the first condition must be exact prefill (None)")
+    compared = dict(compared or {})
+    for name, base in compared.items():
+        if name not in conditions or base not in conditions or name == base:
+            raise ValueError(f"compared conditions must be two different conditions of the run: {name!r}, {base!r}")
     essay = ruler_tasks.haystack_words(essay_text) if essay_text.strip() else []
     if not essay and any(ruler_tasks.uses_essay(t) for t in options.tasks):
         raise ValueError("the essay haystack has no text: give --text with some words in it")
@@ -343,7 +349,7 @@ def run_ruler(model: os.PathLike | str, conditions: dict[str, RidgeFill | None],
         llm.close()
     res = RulerResult(
         model=str(model), options={**asdict(options), "tasks": list(options.tasks)}, template=prompter.template,
-        conditions={n: _condition_record(rf) for n, rf in conditions.items()},
+        conditions={n: {**_condition_record(rf), "compared_with": compared.get(n)} for n, rf in conditions.items()},
         sources=[essay_source or text_sources({"documentation": [("", "")]})[0],
                  "wonderwords word lists (MIT): needle keys, cwe's words"],
         deviations=list(DEVIATIONS), samples=records, reused=reused,
@@ -365,20 +371,27 @@ def _condition_record(rf: RidgeFill | None) -> dict:
 # the paired summary
 
 
+def _ci(v: np.ndarray, n_boot: int, seed: int) -> dict:
+    return metrics.bootstrap_ci(v, n_boot=n_boot, seed=seed)._asdict()
+
+
 def _stats(scores: np.ndarray, exact: np.ndarray, same: np.ndarray, n_boot: int, seed: int) -> dict:
-    ci = lambda v: metrics.bootstrap_ci(v, n_boot=n_boot, seed=seed)._asdict()  # noqa: E731
-    return {"score": ci(100 * scores), "delta": ci(100 * (scores - exact)), "same_answer": float(same.mean()),
-            "n": int(scores.size)}
+    return {"score": _ci(100 * scores, n_boot, seed), "delta": _ci(100 * (scores - exact), n_boot, seed),
+            "same_answer": float(same.mean()), "n": int(scores.size)}
 
 
-def _paired(recs: list[dict], names: list[str], n_boot: int, seed: int) -> dict:
-    exact = np.array([r["outputs"][names[0]]["score"] for r in recs])
+def _paired(recs: list[dict], names: list[str], n_boot: int, seed: int, compared: dict[str, str] | None = None) -> dict:
+    """Each condition's score and its paired difference from exact (the first); a condition of
+    ``compared`` also its paired difference from the condition it is compared with (``vs``)."""
+    scores = {n: np.array([r["outputs"][n]["score"] for r in recs]) for n in names}
     exact_text = [ruler_tasks.postprocess(r["outputs"][names[0]]["text"]) for r in recs]
     out = {}
     for name in names:
-        scores = np.array([r["outputs"][name]["score"] for r in recs])
         same = np.array([ruler_tasks.postprocess(r["outputs"][name]["text"]) == e for r, e in zip(recs, exact_text)])
-        out[name] = _stats(scores, exact, same, n_boot, seed)
+        out[name] = _stats(scores[name], scores[names[0]], same, n_boot, seed)
+        base = (compared or {}).get(name)
+        if base:
+            out[name]["vs"] = _ci(100 * (scores[name] - scores[base]), n_boot, seed)
     return out
 
 
@@ -390,12 +403,13 @@ def depth_bin(depth: float) -> str:
 def summarise(res: RulerResult, n_boot: int = 2000, seed: int = 0) -> None:
     """Fill ``res.summary``, ``by_depth``, ``ttft`` and ``worst`` from ``res.samples``."""
     names = list(res.conditions)
+    compared = {n: c["compared_with"] for n, c in res.conditions.items() if c.get("compared_with")}
     for length in sorted({r["length"] for r in res.samples}):
         recs = [r for r in res.samples if r["length"] == length]
         tasks = list(dict.fromkeys(r["task"] for r in recs))
         key = str(length)
-        res.summary[key] = {t: _paired([r for r in recs if r["task"] == t], names, n_boot, seed) for t in tasks}
-        res.summary[key]["average"] = _paired(recs, names, n_boot, seed)
+        res.summary[key] = {t: _paired([r for r in recs if r["task"] == t], names, n_boot, seed, compared) for t in tasks}
+        res.summary[key]["average"] = _paired(recs, names, n_boot, seed, compared)
         placed = [r for r in recs if r["depth"] is not None]
         bins = sorted({depth_bin(r["depth"]) for r in placed})
         res.by_depth[key] = {b: _paired([r for r in placed if depth_bin(r["depth"]) == b], names, n_boot, seed)

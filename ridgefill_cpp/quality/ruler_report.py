@@ -39,12 +39,14 @@ def write_ruler_report(res: RulerResult, out_dir: os.PathLike | str) -> list[Pat
 
 def markdown(res: RulerResult, plot: str | None = None) -> str:
     names = list(res.conditions)
+    compared = {n: c["compared_with"] for n, c in res.conditions.items() if c.get("compared_with")}
     o = res.options
     L = [f"# RULER, exact prefill against RidgeFill: {Path(res.model).name}\n",
          f"{len(o['tasks'])} tasks × {o['samples']} samples per length, each prompt run with every condition "
          f"(paired); greedy decoding, RULER's generation budget per task; score: RULER's `string_match_all` "
          f"(share of the expected strings in the answer, ×100). Prompt format: {'the model chat template' if res.template == 'chat' else 'RULER base template (the model has no chat template)'} "
-         f"and RULER's answer prefix. 95 % bootstrap CIs over samples; Δ is the paired difference from exact.\n"]
+         f"and RULER's answer prefix. 95 % bootstrap CIs over samples; Δ is the paired difference from exact"
+         + ("; A − B the paired difference of condition A from condition B (the same prompts)" if compared else "") + ".\n"]
     L.append("| condition | kind | map file | split | settings |\n|---|---|---|---|---|")
     for n, c in res.conditions.items():
         st = c["settings"] or {}
@@ -62,6 +64,8 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
             L.append(f"| {n} | " + " | ".join(f"{summ[t][n]['score']['estimate']:.1f}" for t in ["average", *tasks]) + " |")
         for n in names[1:]:
             L.append(f"| Δ {n} | " + " | ".join(score_ci(summ[t][n]["delta"], signed=True) for t in ["average", *tasks]) + " |")
+        for n, base in compared.items():
+            L.append(f"| {n} − {base} | " + " | ".join(score_ci(summ[t][n]["vs"], signed=True) for t in ["average", *tasks]) + " |")
         for n in names[1:]:
             L.append(f"| same answer as exact, {n} | " + " | ".join(f"{summ[t][n]['same_answer']:.0%}"
                                                                for t in ["average", *tasks]) + " |")
@@ -74,6 +78,11 @@ def markdown(res: RulerResult, plot: str | None = None) -> str:
             L.append(f"| {n} | {score_ci(a['score'])} | {score_ci(a['delta'], True) if n != names[0] else '—'} | "
                      f"{a['same_answer']:.0%} | {res.ttft[length][n]:.2f}x | {filled:.0f} | {ceil:.2f}x |")
         L.append("")
+        for n, base in compared.items():
+            L.append(f"- {n} against {base}, paired on the same prompts: {score_ci(summ['average'][n]['vs'], True)} "
+                     f"points over all tasks")
+        if compared:
+            L.append("")
         L += timing_warning_lines(res.timing_warnings.get(length, []))
         depth = res.by_depth.get(length) or {}
         if depth:
