@@ -92,6 +92,25 @@ def test_an_eval_run_gives_each_budget_its_figures():
                                   "identity": {"novel_dnll_2048": [0.2, 0.1, 0.3]}, "documents": {"2048": 12}}}
 
 
+def test_a_length_just_under_a_standard_one_is_filed_under_it_and_recorded():
+    """SmolLM2's context is 8,192 tokens, so its "8K" prompts are 8,176 tokens (room for the answer):
+    filed under 8192 with the length measured beside; a length far from any stays as it is."""
+    ci = lambda x: {"estimate": x, "low": x - 0.01, "high": x + 0.01, "n": 12}  # noqa: E731
+    d = {"maps": ["/x/smollm2.100000.ridgefill.gguf"], "options": {"n_docs": 12},
+         "compared_maps": {"ridge (9709 tokens)": "/x/smollm2.10000.ridgefill.gguf"},
+         "summary": {"8176": {"ridge": {"novel": {"delta": ci(0.01)}}, "ridge (9709 tokens)": {"novel": {"delta": ci(0.02)}}},
+                     "3000": {"ridge": {"novel": {"delta": ci(0.03)}}}},
+         "paired": {"8176": {"ridge (9709 tokens)": {"novel": ci(0.01)}}}}
+    models: dict = {}
+    fit_budget.add_eval(models, json.loads(json.dumps(d)))
+    m = models["smollm2"]
+    assert m["prompt_tokens"] == {"8192": 8176} and m["documents"] == {"8192": 12, "3000": 12}
+    assert m["10000"]["novel_dnll_8192"] == [0.02, 0.01, 0.03] and m["10000"]["vs_100000_8192"] == [0.01, 0.0, 0.02]
+    assert m["100000"]["novel_dnll_3000"] == [0.03, 0.02, 0.04]
+    assert [fit_budget.nominal(n) for n in ("2048", "8192", "8128", "8127", "1984", "1983", "4096")] == \
+        ["2048", "8192", "8192", "8127", "2048", "1983", "4096"]
+
+
 def test_the_committed_summary_is_what_the_tool_makes(tmp_path):
     """docs/fit-budget/summary.json is the tool's output from the committed files."""
     docs = ROOT / "docs" / "fit-budget"

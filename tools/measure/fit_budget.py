@@ -70,21 +70,32 @@ def budget_of(path: str) -> int:
     return int(m.group("tokens"))
 
 
+def nominal(n: str) -> str:
+    """The length of LENGTHS a measured prompt length is filed under: itself, or the one it is at most
+    64 tokens short of (a model whose context is that length leaves room for the answer: SmolLM2's
+    8,192-token context takes prompts of at most 8,176 tokens)."""
+    return next((length for length in LENGTHS if int(length) - 64 <= int(n) <= int(length)), n)
+
+
 def add_eval(models: dict, d: dict) -> None:
     """An eval run's novel-token ΔNLL of every budget's maps (the main file and --compare-maps) and each
-    one's paired difference against the main file's."""
+    one's paired difference against the main file's; a length filed under another (:func:`nominal`)
+    is recorded in the model's ``prompt_tokens``."""
     main = Path(d["maps"][0]).name
     model = MAP_FILE.match(main).group("model")
     variants = {"ridge": budget_of(main), **{v: budget_of(p) for v, p in d["compared_maps"].items()}}
-    for n, summ in d["summary"].items():
+    for measured, summ in d["summary"].items():
+        n = nominal(measured)
+        if n != measured:
+            models.setdefault(model, {}).setdefault("prompt_tokens", {})[n] = int(measured)
         for v, tokens in variants.items():
             entry = models.setdefault(model, {}).setdefault(str(tokens), {})
             if v in summ and summ[v].get("novel"):
                 entry[f"novel_dnll_{n}"] = ci(summ[v]["novel"]["delta"])
-            pair = d.get("paired", {}).get(n, {}).get(v, {}).get("novel")
+            pair = d.get("paired", {}).get(measured, {}).get(v, {}).get("novel")
             if pair:
                 entry[f"vs_{variants['ridge']}_{n}"] = ci(pair)
-            kept = d.get("retrieval", {}).get(n, {}).get(f"{v}, attention selector", {}).get("kept")
+            kept = d.get("retrieval", {}).get(measured, {}).get(f"{v}, attention selector", {}).get("kept")
             if kept:
                 entry[f"codes_kept_{n}"] = kept
         ident = summ.get("identity", {}).get("novel")
