@@ -111,15 +111,40 @@ def test_a_length_just_under_a_standard_one_is_filed_under_it_and_recorded():
         ["2048", "8192", "8192", "8127", "2048", "1983", "4096"]
 
 
+def test_a_ruler_run_gives_each_budget_its_score_differences():
+    ci = lambda x: {"estimate": x, "low": x - 5, "high": x + 5, "n": 16}  # noqa: E731
+    cond = lambda maps, vs=None: {"kind": "ridge", "maps": maps, "split": 19, "settings": {}, "compared_with": vs}  # noqa: E731
+    d = {"conditions": {"exact": {"kind": "exact", "maps": None, "split": None, "settings": None, "compared_with": None},
+                        "ridge S=19": cond("/x/qwen15.100000.ridgefill.gguf"),
+                        "ridge S=19 (9728 tokens)": cond("/x/qwen15.10000.ridgefill.gguf", "ridge S=19")},
+         "options": {"tasks": ["niah_single_1", "niah_multikey_1"], "samples": 8},
+         "samples": [{"length": 4096}] * 16,
+         "summary": {"4096": {"average": {"exact": {"score": ci(90.0), "delta": ci(0.0)},
+                                          "ridge S=19": {"score": ci(85.0), "delta": ci(-5.0)},
+                                          "ridge S=19 (9728 tokens)": {"score": ci(80.0), "delta": ci(-10.0), "vs": ci(-5.0)}}}}}
+    models: dict = {}
+    fit_budget.add_ruler(models, json.loads(json.dumps(d)))
+    m = models["qwen15"]
+    assert m["100000"] == {"ruler_4096": [-5.0, -10.0, 0.0]}
+    assert m["10000"] == {"ruler_4096": [-10.0, -15.0, -5.0], "ruler_vs_100000_4096": [-5.0, -10.0, 0.0]}
+    assert m["ruler"] == {"4096": {"tasks": ["niah_single_1", "niah_multikey_1"], "samples_per_task": 8, "prompts": 16,
+                                   "exact_score": [90.0, 85.0, 95.0]}}
+    rows = fit_budget.ruler_table(models).splitlines()
+    assert rows[2] == "| qwen15 | 4K | 16 (2 tasks × 8) | 90.0 | 10,000 | -10.0 [-15.0, -5.0] | -5.0 [-10.0, +0.0] |"
+    assert rows[3].startswith("| qwen15 | 4K | 16 (2 tasks × 8) | 90.0 | 100,000 | -5.0 [") and rows[3].endswith("| — |")
+
+
 def test_the_committed_summary_is_what_the_tool_makes(tmp_path):
     """docs/fit-budget/summary.json is the tool's output from the committed files."""
     docs = ROOT / "docs" / "fit-budget"
     evals = sorted(docs.glob("eval-*/results.json"))
+    rulers = sorted(docs.glob("ruler-*/ruler.json"))
     import subprocess
     import sys
 
     args = [sys.executable, str(ROOT / "tools" / "measure" / "fit_budget.py"), "--fits", str(docs / "fits"),
-            "--out", str(tmp_path)] + [x for p in evals for x in ("--eval", str(p))]
+            "--out", str(tmp_path)] + [x for p in evals for x in ("--eval", str(p))] + \
+        [x for p in rulers for x in ("--ruler", str(p))]
     run = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((docs / "summary.json").read_text())

@@ -104,6 +104,27 @@ def add_eval(models: dict, d: dict) -> None:
         models[model].setdefault("documents", {})[n] = d["options"]["n_docs"]
 
 
+def add_ruler(models: dict, d: dict) -> None:
+    """An ``eval --ruler`` run's figures for each budget's maps (the main file and --compare-maps): the
+    all-task score difference from exact (points, paired) and, for a compared file, from the main
+    file's maps; the tasks, samples and exact's score beside, under the model's ``ruler``."""
+    conds = {n: c for n, c in d["conditions"].items() if c.get("maps")}
+    main = next(n for n, c in conds.items() if not c.get("compared_with"))
+    model = MAP_FILE.match(Path(conds[main]["maps"]).name).group("model")
+    full = budget_of(conds[main]["maps"])
+    for n, summ in d["summary"].items():
+        avg = summ["average"]
+        for name, c in conds.items():
+            entry = models.setdefault(model, {}).setdefault(str(budget_of(c["maps"])), {})
+            entry[f"ruler_{n}"] = ci(avg[name]["delta"])
+            if "vs" in avg[name]:
+                entry[f"ruler_vs_{full}_{n}"] = ci(avg[name]["vs"])
+        models[model].setdefault("ruler", {})[n] = {
+            "tasks": list(d["options"]["tasks"]), "samples_per_task": d["options"]["samples"],
+            "prompts": sum(1 for r in d["samples"] if str(r["length"]) == n),
+            "exact_score": ci(avg["exact"]["score"])}
+
+
 def choose(models: dict, lengths: tuple[str, ...] = LENGTHS) -> tuple[int, str]:
     """(default tokens, why): the smallest budget whose novel ΔNLL is at or below the upper bound of the
     largest budget's CI on every model and length. Each model is judged at the lengths of ``lengths``
@@ -192,10 +213,30 @@ def table(models: dict) -> str:
     return "\n".join(rows)
 
 
+def ruler_table(models: dict) -> str:
+    """The RULER subset's figures, a row per model and budget (points, 95 % CI over prompts)."""
+    rows = []
+    for name, m in models.items():
+        for n, r in (m.get("ruler") or {}).items():
+            full = max(int(t) for t in m if t.isdigit() and f"ruler_{n}" in m[t])
+            for t in sorted((t for t in m if t.isdigit() and f"ruler_{n}" in m[t]), key=int):
+                e = m[t]
+                d, vs = e[f"ruler_{n}"], e.get(f"ruler_vs_{full}_{n}")
+                rows.append(f"| {name} | {int(n) // 1024}K | {r['prompts']} ({len(r['tasks'])} tasks × {r['samples_per_task']}) "
+                            f"| {r['exact_score'][0]:.1f} | {int(t):,} | {d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}] | "
+                            + (f"{vs[0]:+.1f} [{vs[1]:+.1f}, {vs[2]:+.1f}]" if vs else "—") + " |")
+    if not rows:
+        return ""
+    return ("| model | length | prompts | exact's score | tokens | Δ vs exact (points) | vs 100K, paired |\n"
+            "|---|---|---|---:|---:|---|---|\n" + "\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fits", type=Path, required=True, help="folder of MODEL.TOKENS.fit.txt files")
     ap.add_argument("--eval", type=Path, action="append", default=[], help="an eval run's results.json (repeat)")
+    ap.add_argument("--ruler", type=Path, action="append", default=[],
+                    help="an eval --ruler run's ruler.json with the budgets' maps (--maps, --compare-maps; repeat)")
     ap.add_argument("--out", type=Path, required=True, help="folder for summary.json and fit-budget.png")
     a = ap.parse_args()
 
@@ -206,12 +247,17 @@ def main() -> int:
             models.setdefault(m.group("model"), {})[m.group("tokens")] = fit_entry(p.read_text())
     for p in a.eval:
         add_eval(models, json.loads(p.read_text()))
+    for p in a.ruler:
+        add_ruler(models, json.loads(p.read_text()))
     default, rule = choose(models)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "summary.json").write_text(json.dumps({"default_tokens": default, "rule": rule, "models": models},
                                                    indent=1) + "\n")
     plot(models, a.out / "fit-budget.png")
     print(table(models))
+    rt = ruler_table(models)
+    if rt:
+        print("\n" + rt)
     print(f"\ndefault_tokens {default}: {rule}")
     return 0
 
