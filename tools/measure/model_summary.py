@@ -1,10 +1,11 @@
 """One model's key figures as one JSON (docs/qwen25-coder-1.5b/summary.json), gathered from the files the
 measuring commands wrote: `fit` under `/usr/bin/time -v` (its printed output), `bench --json` files,
-`eval`'s results.json, `eval --ruler`'s ruler.json and tools/measure/serve_smollm2.py's JSON. A figure
-whose file is not given is absent, never estimated.
+`eval`'s results.json, `eval --ruler`'s ruler.json, tools/measure/serve_smollm2.py's JSON and
+llama.cpp's `llama-bench -o json`. A figure whose file is not given is absent, never estimated.
 
     python tools/measure/model_summary.py --model NAME [--fit fit.txt] [--bench bench-4k.json ...]
-        [--eval eval-2k/results.json ...] [--ruler ruler.json] [--serve serve-4k.json] -o summary.json
+        [--eval eval-2k/results.json ...] [--ruler ruler.json] [--serve serve-4k.json]
+        [--llama-bench llama-bench.json ...] -o summary.json
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def bench_figures(d: dict) -> dict:
     return out
 
 
+def llama_bench_figures(records: list[dict]) -> dict:
+    """llama-bench's prompt-processing tests (``-n 0``): prompt length -> [mean tokens/s, its standard
+    deviation, repetitions]."""
+    return {str(r["n_prompt"]): [round(r["avg_ts"], 1), round(r["stddev_ts"], 1), len(r["samples_ts"])]
+            for r in records if r.get("n_gen") == 0 and r.get("n_prompt")}
+
+
 def ci(d: dict) -> list[float]:
     return [round(d["estimate"], 5), round(d["low"], 5), round(d["high"], 5)]
 
@@ -62,6 +70,8 @@ def main() -> int:
     ap.add_argument("--eval", type=Path, action="append", default=[])
     ap.add_argument("--ruler", type=Path)
     ap.add_argument("--serve", type=Path)
+    ap.add_argument("--llama-bench", type=Path, action="append", default=[],
+                    help="llama-bench -o json output; its prompt tests go beside bench's at the same lengths")
     ap.add_argument("-o", "--out", type=Path, required=True)
     a = ap.parse_args()
 
@@ -89,6 +99,11 @@ def main() -> int:
         tok_s = (s.get("server_prompt_tok_s") or {}).get("exact")
         if tok_s and n in res.get("speedup", {}):
             res["speedup"][n]["stock_tok_s_llama_server"] = round(tok_s, 1)
+    for p in a.llama_bench:
+        for n, (tok_s, sd, reps) in llama_bench_figures(json.loads(p.read_text())).items():
+            if n in res.get("speedup", {}):
+                res["speedup"][n].update(stock_tok_s_llama_bench=tok_s, stock_tok_s_llama_bench_sd=sd,
+                                         llama_bench_repeats=reps)
     for p in a.eval:
         d = json.loads(p.read_text())
         for n, summ in d["summary"].items():

@@ -62,6 +62,11 @@ SOURCES = {
                            OLD_CPU, None, "2026-12-06"),
     "tune-gemma3": Source("docs/tune-gemma3/chosen.json", "`tune`, then `bench` and `eval` (48 documents)",
                           "CPU not recorded", 2, "2026-12-06"),
+    "llama-bench-smollm2": Source("docs/fit-budget/llama-bench-smollm2.json", "llama.cpp's `llama-bench`, mean of 5"),
+    "llama-bench-gemma3": Source("docs/fit-budget/llama-bench-gemma3.json", "llama.cpp's `llama-bench`, mean of 5"),
+    "llama-bench-qwen15": Source("docs/fit-budget/llama-bench-qwen15.json", "llama.cpp's `llama-bench`, mean of 5"),
+    "llama-bench-qwen15-long": Source("docs/qwen25-coder-1.5b/llama-bench-4k-8k.json", "llama.cpp's `llama-bench`, mean of 2"),
+    "llama-bench-qwen15-16k": Source("docs/qwen25-coder-1.5b/llama-bench-16k.json", "llama.cpp's `llama-bench`, one run"),
     "serve-qwen15": Source("docs/qwen25-coder-1.5b/serve-4k.json", "`serve_smollm2.py`, median of 3"),
     "serve-gemma3": Source("docs/window-gemma3/serve_window.json", "`serve_window.py`, median of 3",
                            "AMD EPYC", None, "2026-12-05"),
@@ -97,6 +102,8 @@ def provenance(key: str) -> str:
     m = data.get("measured") if isinstance(data, dict) else None
     if m:
         cpu, threads, date = m.get("cpu"), m.get("threads"), m.get("date")
+    elif isinstance(data, list) and data and "cpu_info" in data[0]:  # llama-bench -o json: a record per test
+        cpu, threads, date = data[0]["cpu_info"], data[0]["n_threads"], data[0]["test_time"][:10]
     else:
         threads = src.threads
         if threads is None and isinstance(data, dict):
@@ -129,6 +136,12 @@ def bench_stock(data: dict) -> str:
     return "; ".join(f"{_k(s['n_prompt'])}: {s['tokens_per_s[stock]']:,.0f}" for s in data["summary"])
 
 
+def llama_bench(data: list) -> str:
+    """llama-bench's prompt tests (``-n 0``): tokens/s at each prompt length, ± its standard deviation."""
+    return "; ".join(f"{_k(r['n_prompt'])}: {r['avg_ts']:,.0f}" + (f" ± {r['stddev_ts']:.0f}" if len(r["samples_ts"]) > 1 else "")
+                     for r in data if r.get("n_gen") == 0)
+
+
 def ci_list(v: list[float]) -> str:
     return ci({"estimate": v[0], "low": v[1], "high": v[2]})
 
@@ -153,7 +166,9 @@ def budget_dnll(model: str, which: str | None = None) -> Callable[[dict], str]:
     """Novel-token ΔNLL at every length measured: of fit's default maps, or of ``which`` ("identity")."""
     def fig(d: dict) -> str:
         e = _budget(d, model, which)
-        parts = [f"{_k(n)}: {ci_list(e[f'novel_dnll_{n}'])}" for n in ("2048", "8192") if f"novel_dnll_{n}" in e]
+        measured = d["models"].get(model, {}).get("prompt_tokens", {})  # a length filed under a nearby one
+        parts = [f"{_k(n)}{f' ({measured[n]:,} tokens)' if n in measured else ''}: {ci_list(e[f'novel_dnll_{n}'])}"
+                 for n in ("2048", "8192") if f"novel_dnll_{n}" in e]
         if not parts:
             raise MissingSource(f"no novel ΔNLL of {model} in docs/fit-budget")
         return "; ".join(parts)
@@ -220,6 +235,9 @@ ROWS: list[tuple[str, dict[str, tuple[str, Callable]]]] = [
     ("stock prefill, tokens/s", {
         "smollm2": ("bench-smollm2", bench_stock), "gemma3": ("bench-gemma3", bench_stock),
         "qwen15": ("bench-qwen15-4k", bench_stock, "bench-qwen15-8k", "bench-qwen15-16k")}),
+    ("stock prefill, llama.cpp's `llama-bench -p N`, tokens/s", {
+        "smollm2": ("llama-bench-smollm2", llama_bench), "gemma3": ("llama-bench-gemma3", llama_bench),
+        "qwen15": ("llama-bench-qwen15", llama_bench, "llama-bench-qwen15-long", "llama-bench-qwen15-16k")}),
     ("llama-server TTFT speed-up", {"gemma3": ("serve-gemma3", serve_window), "qwen15": ("serve-qwen15", serve_ttft)}),
     ("novel-token ΔNLL, `fit`'s default maps ({budget}, Q8_0) [95 % CI]",
      {m: ("budget-eval", budget_dnll(m)) for m in MODELS}),
