@@ -400,10 +400,15 @@ def depth_bin(depth: float) -> str:
     return f"{k / DEPTH_BINS:.1f}-{(k + 1) / DEPTH_BINS:.1f}"
 
 
+def compared_conditions(res: RulerResult) -> dict[str, str]:
+    """The conditions compared with another (name -> that one's name; see :func:`run_ruler`)."""
+    return {n: c["compared_with"] for n, c in res.conditions.items() if c.get("compared_with")}
+
+
 def summarise(res: RulerResult, n_boot: int = 2000, seed: int = 0) -> None:
     """Fill ``res.summary``, ``by_depth``, ``ttft`` and ``worst`` from ``res.samples``."""
     names = list(res.conditions)
-    compared = {n: c["compared_with"] for n, c in res.conditions.items() if c.get("compared_with")}
+    compared = compared_conditions(res)
     for length in sorted({r["length"] for r in res.samples}):
         recs = [r for r in res.samples if r["length"] == length]
         tasks = list(dict.fromkeys(r["task"] for r in recs))

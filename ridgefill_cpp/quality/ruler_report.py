@@ -9,7 +9,7 @@ from pathlib import Path
 from ..core.files import write_bytes
 from ..core.machine import measured_text
 from .report import agg_pyplot, save_figure, timing_warning_lines
-from .ruler import JOURNAL, RulerResult
+from .ruler import JOURNAL, RulerResult, compared_conditions
 
 
 def score_ci(d: dict, signed: bool = False) -> str:
@@ -39,7 +39,7 @@ def write_ruler_report(res: RulerResult, out_dir: os.PathLike | str) -> list[Pat
 
 def markdown(res: RulerResult, plot: str | None = None) -> str:
     names = list(res.conditions)
-    compared = {n: c["compared_with"] for n, c in res.conditions.items() if c.get("compared_with")}
+    compared = compared_conditions(res)
     o = res.options
     L = [f"# RULER, exact prefill against RidgeFill: {Path(res.model).name}\n",
          f"{len(o['tasks'])} tasks × {o['samples']} samples per length, each prompt run with every condition "

@@ -218,8 +218,9 @@ def ruler_table(models: dict) -> str:
     rows = []
     for name, m in models.items():
         for n, r in (m.get("ruler") or {}).items():
-            full = max(int(t) for t in m if t.isdigit() and f"ruler_{n}" in m[t])
-            for t in sorted((t for t in m if t.isdigit() and f"ruler_{n}" in m[t]), key=int):
+            budgets = sorted((t for t in m if t.isdigit() and f"ruler_{n}" in m[t]), key=int)
+            full = int(budgets[-1])
+            for t in budgets:
                 e = m[t]
                 d, vs = e[f"ruler_{n}"], e.get(f"ruler_vs_{full}_{n}")
                 rows.append(f"| {name} | {int(n) // 1024}K | {r['prompts']} ({len(r['tasks'])} tasks × {r['samples_per_task']}) "
