@@ -1,11 +1,12 @@
 """One model's key figures as one JSON (docs/qwen25-coder-1.5b/summary.json), gathered from the files the
 measuring commands wrote: `fit` under `/usr/bin/time -v` (its printed output), `bench --json` files,
-`eval`'s results.json, `eval --ruler`'s ruler.json, tools/measure/serve_smollm2.py's JSON and
-llama.cpp's `llama-bench -o json`. A figure whose file is not given is absent, never estimated.
+`eval`'s results.json, `eval --ruler`'s ruler.json, tools/measure/serve_smollm2.py's JSON,
+llama.cpp's `llama-bench -o json` and `tune --out`'s tune.json with a `bench --json` of the point it
+chose. A figure whose file is not given is absent, never estimated.
 
     python tools/measure/model_summary.py --model NAME [--fit fit.txt] [--bench bench-4k.json ...]
         [--eval eval-2k/results.json ...] [--ruler ruler.json] [--serve serve-4k.json]
-        [--llama-bench llama-bench.json ...] -o summary.json
+        [--llama-bench llama-bench.json ...] [--tune tune.json [--tune-bench bench.json]] -o summary.json
 """
 
 from __future__ import annotations
@@ -57,8 +58,68 @@ def llama_bench_figures(records: list[dict]) -> dict:
             for r in records if r.get("n_gen") == 0 and r.get("n_prompt")}
 
 
+def tune_figures(tune: dict, bench: dict | None = None) -> dict:
+    """The point `tune` chose (tune.json): its split and settings, its novel-token ΔNLL [estimate, low,
+    high] over the tune's documents, its speedup at the tune's prompt length and the planted codes it
+    kept; with ``bench`` (`bench --json` of that point), ``speedup_<n>`` and ``ceiling_<n>`` at each of
+    the bench's lengths. Raises ValueError when the tune chose nothing or the bench ran another setting."""
+    if tune.get("chosen") is None:
+        raise ValueError("the tune chose no point (none within its budget)")
+    p = tune["points"][tune["chosen"]]
+    length = tune["options"]["length"]
+    out = {"budget": tune["budget"], "split": p["split"], "tail": p["tail"], "exact_fraction": p["exact_fraction"],
+           "selector": p["selector"], "span": p.get("span"), "novel_dnll": ci(p["novel"]),
+           "docs": tune["options"]["n_docs"], f"speedup_{length}": round(p["speedup"], 4),
+           f"ceiling_{length}": round(p["ceiling"], 4), "settings_searched": len(tune["points"])}
+    if p.get("retrieval"):
+        out["codes_kept"] = p["retrieval"]["kept"]
+    if bench is not None:
+        ran = {k: bench.get(k) for k in ("split", "tail", "exact_fraction")}
+        selector, _, span = str(bench.get("selector")).partition("@")
+        if (ran != {k: p[k] for k in ran} or selector != p["selector"]
+                or (span and p.get("span") is not None and int(span) != p["span"])):
+            raise ValueError(f"the bench ran S={ran['split']} T={ran['tail']} f={ran['exact_fraction']} "
+                             f"{bench.get('selector')}, not the chosen point S={p['split']} T={p['tail']} "
+                             f"f={p['exact_fraction']} {p['selector']}@{p.get('span')}")
+        for n, b in bench_figures(bench).items():
+            out[f"speedup_{n}"], out[f"ceiling_{n}"] = b["ridge"], b["ceiling"]
+            out[f"stock_s_{n}"], out[f"ridge_s_{n}"], out[f"repeats_{n}"] = b["stock_s"], b["ridge_s"], b["repeats"]
+    return out
+
+
+def ruler_figures(d: dict, n_layer: int | None = None) -> dict:
+    """`eval --ruler`'s ruler.json as ``ruler_<n>k`` per prompt length: exact prefill's average score
+    over all tasks, and each other condition's paired difference from it [estimate, low, high], under
+    ``ridge`` (the first map file), ``identity``, ``half`` (maps at half depth, split ⌊n_layer/2⌋) or
+    its own name; ``conditions`` gives each key's condition, ``tasks`` and ``samples_per_task`` the size."""
+    names: dict[str, str] = {}
+    for name, c in d["conditions"].items():
+        key = name
+        if c["kind"] == "exact":
+            key = "exact"
+        elif c["kind"] == "identity" and "identity" not in names:
+            key = "identity"
+        elif c["kind"] == "ridge" and not c.get("compared_with"):
+            if "ridge" not in names:
+                key = "ridge"
+            elif n_layer and c["split"] == n_layer // 2 and "half" not in names:
+                key = "half"
+        names[key] = name
+    out = {}
+    for n, summ in d["summary"].items():
+        avg = summ["average"]
+        entry: dict = {"exact": round(avg[names["exact"]]["score"]["estimate"], 2)}
+        for key, name in names.items():
+            if key != "exact":
+                dd = avg[name]["delta"]
+                entry[key] = [round(dd["estimate"], 2), round(dd["low"], 2), round(dd["high"], 2)]
+        entry.update(conditions=names, tasks=len(d["options"]["tasks"]), samples_per_task=d["options"]["samples"])
+        out[f"ruler_{int(n) // 1024}k"] = entry
+    return out
+
+
 def ci(d: dict) -> list[float]:
-    return [round(d["estimate"], 5), round(d["low"], 5), round(d["high"], 5)]
+    return [round(d["estimate"], 6), round(d["low"], 6), round(d["high"], 6)]
 
 
 def main() -> int:
@@ -72,8 +133,12 @@ def main() -> int:
     ap.add_argument("--serve", type=Path)
     ap.add_argument("--llama-bench", type=Path, action="append", default=[],
                     help="llama-bench -o json output; its prompt tests go beside bench's at the same lengths")
+    ap.add_argument("--tune", type=Path, help="tune --out's tune.json: the point it chose")
+    ap.add_argument("--tune-bench", type=Path, help="bench --json of the chosen point (its map file, which holds it)")
     ap.add_argument("-o", "--out", type=Path, required=True)
     a = ap.parse_args()
+    if a.tune_bench and not a.tune:
+        ap.error("--tune-bench needs --tune")
 
     res: dict = {"model": a.model}
     loaded = [json.loads(p.read_text()) for p in [*a.bench, *a.eval, *([a.serve] if a.serve else [])]]
@@ -116,16 +181,14 @@ def main() -> int:
             res.setdefault("codes_kept", {})[n] = {c: r[c]["kept"] for c in ("ridge, attention selector",
                                                                              "identity, attention selector") if c in r}
     if a.ruler:
-        d = json.loads(a.ruler.read_text())
-        for n, summ in d["summary"].items():
-            avg = summ["average"]
-            names = list(avg)
-            entry = {"exact": round(avg[names[0]]["score"]["estimate"], 2),
-                     "samples_per_task": d["options"]["samples"]}
-            for name in names[1:]:
-                dd = avg[name]["delta"]
-                entry[name] = [round(dd["estimate"], 2), round(dd["low"], 2), round(dd["high"], 2)]
-            res[f"ruler_{int(n) // 1024}k"] = entry
+        n_layer = next((d["n_layer"] for d in loaded if d.get("n_layer")), None)
+        res.update(ruler_figures(json.loads(a.ruler.read_text()), n_layer))
+    if a.tune:
+        try:
+            res["tune"] = tune_figures(json.loads(a.tune.read_text()),
+                                       json.loads(a.tune_bench.read_text()) if a.tune_bench else None)
+        except ValueError as e:
+            raise SystemExit(f"--tune {a.tune}: {e}") from None
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {a.out}")
     return 0

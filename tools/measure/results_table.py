@@ -62,8 +62,14 @@ SOURCES = {
                            OLD_CPU, None, "2026-12-06"),
     "tune-gemma3": Source("docs/tune-gemma3/chosen.json", "`tune`, then `bench` and `eval` (48 documents)",
                           "CPU not recorded", 2, "2026-12-06"),
+    "bench-qwen05-4k": Source("docs/qwen25-coder-0.5b/bench-4k.json", "`bench`, median of 3"),
+    "summary-qwen05": Source("docs/qwen25-coder-0.5b/summary.json", "`fit` under `time -v`, `eval` (12 documents)",
+                             "AMD EPYC", 2, "2026-12-08"),
+    "tune-qwen15": Source("docs/qwen25-coder-1.5b/summary.json", "`tune --fit half` (8 documents), then `bench` of its choice",
+                          "AMD EPYC", 2, "2026-12-07 and 08"),
     "llama-bench-smollm2": Source("docs/fit-budget/llama-bench-smollm2.json", "llama.cpp's `llama-bench`, mean of 5"),
     "llama-bench-gemma3": Source("docs/fit-budget/llama-bench-gemma3.json", "llama.cpp's `llama-bench`, mean of 5"),
+    "llama-bench-qwen05": Source("docs/qwen25-coder-0.5b/llama-bench-4k.json", "llama.cpp's `llama-bench`, mean of 2"),
     "llama-bench-qwen15": Source("docs/fit-budget/llama-bench-qwen15.json", "llama.cpp's `llama-bench`, mean of 5"),
     "llama-bench-qwen15-long": Source("docs/qwen25-coder-1.5b/llama-bench-4k-8k.json", "llama.cpp's `llama-bench`, mean of 2"),
     "llama-bench-qwen15-16k": Source("docs/qwen25-coder-1.5b/llama-bench-16k.json", "llama.cpp's `llama-bench`, one run"),
@@ -75,8 +81,13 @@ SOURCES = {
 MODELS = {
     "smollm2": "SmolLM2-135M Q4_1",
     "gemma3": "Gemma 3 270M Q4_K_M",
+    "qwen05": "Qwen2.5-Coder-0.5B Q4_K_M",
     "qwen15": "Qwen2.5-Coder-1.5B Q4_K_M",
 }
+
+
+#: the models of the calibration-budget sweep (docs/fit-budget/summary.json)
+BUDGET_MODELS = ("smollm2", "gemma3", "qwen15")
 
 
 class MissingSource(Exception):
@@ -180,7 +191,7 @@ def budget_codes(model: str) -> Callable[[dict], str]:
         kept = _budget(d, model).get("codes_kept_2048")
         if not kept:
             raise MissingSource(f"no planted codes of {model} in docs/fit-budget")
-        return f"{kept[0]}/{kept[1]}"
+        return f"2K: {kept[0]}/{kept[1]}"
     return fig
 
 
@@ -216,6 +227,50 @@ def tuned(d: dict) -> str:
             + ci({"estimate": d["novel_dnll"], "low": lo, "high": hi}))
 
 
+def summary_dnll(which: str = "novel_dnll") -> Callable[[dict], str]:
+    """A model summary's (tools/measure/model_summary.py) novel-token ΔNLL at each length it holds."""
+    def fig(d: dict) -> str:
+        if not d.get(which):
+            raise MissingSource(f"no {which} in the model's summary.json")
+        return "; ".join(f"{_k(n)}: {ci_list(v)}" for n, v in d[which].items())
+    return fig
+
+
+def summary_codes(d: dict) -> str:
+    kept = {n: c["ridge, attention selector"] for n, c in d.get("codes_kept", {}).items()
+            if "ridge, attention selector" in c}
+    if not kept:
+        raise MissingSource("no planted codes in the model's summary.json")
+    return "; ".join(f"{_k(n)}: {k[0]}/{k[1]}" for n, k in kept.items())
+
+
+def summary_fit(d: dict) -> str:
+    f = d.get("fit")
+    if not f:
+        raise MissingSource("no fit in the model's summary.json")
+    t = f"{f['seconds'] / 60:.1f} min" if f["seconds"] >= 60 else f"{f['seconds']:.0f} s"
+    return f"{t}, {f['peak_rss_mib']:,.0f} MiB peak ({f['calibration_tokens']:,} tokens)"
+
+
+def summary_maps(d: dict) -> str:
+    f = d.get("fit") or {}
+    if "maps_mib" not in f:
+        raise MissingSource("no map size in the model's summary.json")
+    return f"{f['maps_mib']:.2f} MiB"
+
+
+def summary_tuned(d: dict) -> str:
+    """A model summary's ``tune`` (tools/measure/model_summary.py): the chosen point, its speed-up at the
+    tune's own length and at the lengths `bench` timed it, and its ΔNLL over the tune's documents."""
+    t = d.get("tune")
+    if not t:
+        raise MissingSource("no tune in the model's summary.json")
+    lengths = sorted(int(k.split("_")[1]) for k in t if k.startswith("speedup_"))
+    sp = ", ".join(f"{_k(n)} {t[f'speedup_{n}']:.2f}x of {t[f'ceiling_{n}']:.2f}x" for n in lengths)
+    return (f"S = {t['split']}, {100 * t['exact_fraction']:.0f} % exact: {sp}; ΔNLL {ci_list(t['novel_dnll'])} "
+            f"({t['docs']} documents)")
+
+
 def serve_window(d: dict) -> str:
     sp = "; ".join(f"{_k(n)}: {t['speedup']['RidgeFill']:.2f}x" for n, t in d["ttft"].items())
     return f"{sp} (`-c {d['ctx']}`, window-sized SWA cache)"
@@ -231,23 +286,31 @@ def serve_ttft(d: dict) -> str:
 ROWS: list[tuple[str, dict[str, tuple[str, Callable]]]] = [
     ("TTFT speed-up, of its ceiling 1/r", {
         "smollm2": ("bench-smollm2", bench_speed), "gemma3": ("bench-gemma3", bench_speed),
+        "qwen05": ("bench-qwen05-4k", bench_speed),
         "qwen15": ("bench-qwen15-4k", bench_speed, "bench-qwen15-8k", "bench-qwen15-16k")}),
     ("stock prefill, tokens/s", {
         "smollm2": ("bench-smollm2", bench_stock), "gemma3": ("bench-gemma3", bench_stock),
+        "qwen05": ("bench-qwen05-4k", bench_stock),
         "qwen15": ("bench-qwen15-4k", bench_stock, "bench-qwen15-8k", "bench-qwen15-16k")}),
     ("stock prefill, llama.cpp's `llama-bench -p N`, tokens/s", {
         "smollm2": ("llama-bench-smollm2", llama_bench), "gemma3": ("llama-bench-gemma3", llama_bench),
+        "qwen05": ("llama-bench-qwen05", llama_bench),
         "qwen15": ("llama-bench-qwen15", llama_bench, "llama-bench-qwen15-long", "llama-bench-qwen15-16k")}),
     ("llama-server TTFT speed-up", {"gemma3": ("serve-gemma3", serve_window), "qwen15": ("serve-qwen15", serve_ttft)}),
     ("novel-token ΔNLL, `fit`'s default maps ({budget}, Q8_0) [95 % CI]",
-     {m: ("budget-eval", budget_dnll(m)) for m in MODELS}),
-    ("novel-token ΔNLL, identity fill [95 % CI]", {m: ("budget-eval", budget_dnll(m, "identity")) for m in MODELS}),
-    ("planted codes kept at 2K, `fit`'s default maps (of exact's)", {m: ("budget-eval", budget_codes(m)) for m in MODELS}),
+     {**{m: ("budget-eval", budget_dnll(m)) for m in BUDGET_MODELS}, "qwen05": ("summary-qwen05", summary_dnll())}),
+    ("novel-token ΔNLL, identity fill [95 % CI]", {**{m: ("budget-eval", budget_dnll(m, "identity")) for m in BUDGET_MODELS},
+                                                   "qwen05": ("summary-qwen05", summary_dnll("novel_dnll_identity"))}),
+    ("planted codes kept, `fit`'s default maps (of exact's)", {**{m: ("budget-eval", budget_codes(m)) for m in BUDGET_MODELS},
+                                                               "qwen05": ("summary-qwen05", summary_codes)}),
     ("RULER, 11 tasks: exact → ridge maps (100K tokens), Δ points [95 % CI]", {
         "smollm2": ("ruler-smollm2", ruler), "gemma3": ("ruler-gemma3", ruler)}),
-    ("`tune --budget 0.02`: its choice, speed-up, novel ΔNLL at 2K", {"gemma3": ("tune-gemma3", tuned)}),
-    ("`fit` with the defaults ({budget}): wall time, peak memory", {m: ("budget-fit", budget_fit(m)) for m in MODELS}),
-    ("map file (Q8_0, `fit`'s default)", {m: ("budget-fit", budget_maps(m)) for m in MODELS}),
+    ("`tune --budget 0.02`: its choice, speed-up, novel ΔNLL at 2K", {"gemma3": ("tune-gemma3", tuned),
+                                                                       "qwen15": ("tune-qwen15", summary_tuned)}),
+    ("`fit` with the defaults ({budget}): wall time, peak memory", {**{m: ("budget-fit", budget_fit(m)) for m in BUDGET_MODELS},
+                                                                   "qwen05": ("summary-qwen05", summary_fit)}),
+    ("map file (Q8_0, `fit`'s default)", {**{m: ("budget-fit", budget_maps(m)) for m in BUDGET_MODELS},
+                                          "qwen05": ("summary-qwen05", summary_maps)}),
 ]
 
 
