@@ -119,7 +119,7 @@ def ruler_figures(d: dict, n_layer: int | None = None) -> dict:
 
 
 def ci(d: dict) -> list[float]:
-    return [round(d["estimate"], 6), round(d["low"], 6), round(d["high"], 6)]
+    return [round(d["estimate"], 5), round(d["low"], 5), round(d["high"], 5)]
 
 
 def main() -> int:
