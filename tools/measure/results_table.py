@@ -195,11 +195,15 @@ def budget_codes(model: str) -> Callable[[dict], str]:
     return fig
 
 
+def _fit_cell(e: dict) -> str:
+    """A fit's wall time, peak memory and calibration tokens (model_summary.fit_figures' fields)."""
+    t = f"{e['seconds'] / 60:.1f} min" if e["seconds"] >= 60 else f"{e['seconds']:.0f} s"
+    return f"{t}, {e['peak_rss_mib']:,.0f} MiB peak ({e['calibration_tokens']:,} tokens)"
+
+
 def budget_fit(model: str) -> Callable[[dict], str]:
     def fig(d: dict) -> str:
-        e = _budget(d, model)
-        t = f"{e['seconds'] / 60:.1f} min" if e["seconds"] >= 60 else f"{e['seconds']:.0f} s"
-        return f"{t}, {e['peak_rss_mib']:,.0f} MiB peak ({e['calibration_tokens']:,} tokens)"
+        return _fit_cell(_budget(d, model))
     return fig
 
 
@@ -248,8 +252,7 @@ def summary_fit(d: dict) -> str:
     f = d.get("fit")
     if not f:
         raise MissingSource("no fit in the model's summary.json")
-    t = f"{f['seconds'] / 60:.1f} min" if f["seconds"] >= 60 else f"{f['seconds']:.0f} s"
-    return f"{t}, {f['peak_rss_mib']:,.0f} MiB peak ({f['calibration_tokens']:,} tokens)"
+    return _fit_cell(f)
 
 
 def summary_maps(d: dict) -> str:
